@@ -1,0 +1,1 @@
+"""Shared building blocks for the byhand training scripts (one concept per module)."""
