@@ -1,0 +1,119 @@
+"""Saving and loading: the Hugging Face GPT-2 layout for weights, a separate file for training state.
+
+Used by train.py, train_fsdp.py and the fine-tuning scripts. The one idea: a checkpoint is two
+things with different audiences. config.json + model.safetensors (transformers' names and layouts)
+is the model, which anyone can load; training_state.pt (optimizer moments, step, RNG states) is
+only for --resume. Every file is written to a temporary name and renamed into place, so a crash or
+Ctrl-C mid-write never leaves a torn checkpoint where the last good one used to be.
+"""
+
+import json
+import os
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+
+from lib import gpt
+from lib.errors import UserError
+
+CONFIG = "config.json"
+WEIGHTS = "model.safetensors"
+STATE = "training_state.pt"
+
+
+def atomic_write(path: str, write):
+    """Call write(tmp_path), then rename tmp_path over path (atomic on POSIX and Windows)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def save_json(path: str, obj: dict):
+    def write(tmp):
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=2)
+            f.write("\n")
+
+    atomic_write(path, write)
+
+
+def save_hf(out_dir: str, cfg: gpt.GPTConfig, hf_state: dict, step: int = None):
+    """Write config.json and model.safetensors (tensors already in HF names, see gpt.to_hf_state_dict).
+
+    The step goes into the safetensors metadata, so --resume can check that the weights and the
+    training state belong together.
+    """
+    metadata = {"format": "pt"}
+    if step is not None:
+        metadata["step"] = str(step)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in hf_state.items()}
+    atomic_write(os.path.join(out_dir, WEIGHTS), lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    save_json(os.path.join(out_dir, CONFIG), gpt.config_to_hf(cfg))
+
+
+def weights_step(path: str):
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        step = (f.metadata() or {}).get("step")
+    return None if step is None else int(step)
+
+
+def load_hf(model_dir: str):
+    """Read a Hugging Face GPT-2 directory -> (GPTConfig, state dict in our names and layouts)."""
+    config_path = os.path.join(model_dir, CONFIG)
+    weights_path = os.path.join(model_dir, WEIGHTS)
+    hint = "point --init-from at a directory holding a GPT-2 config.json and model.safetensors"
+    if not os.path.isdir(model_dir):
+        raise UserError(f"{model_dir!r} is not a directory; {hint}")
+    if not os.path.isfile(config_path):
+        raise UserError(f"{config_path} is missing, so {model_dir!r} is not a GPT-2 checkpoint; {hint}")
+    try:
+        with open(config_path) as f:
+            cfg = gpt.config_from_hf(json.load(f))
+    except (json.JSONDecodeError, ValueError) as e:
+        raise UserError(f"{config_path} is not a GPT-2 config ({e}); {hint}") from None
+    if not os.path.isfile(weights_path):
+        extra = " (only PyTorch .bin weights found: convert them to safetensors)" if os.path.isfile(
+            os.path.join(model_dir, "pytorch_model.bin")) else ""
+        raise UserError(f"{weights_path} is missing{extra}; {hint}")
+    try:
+        sd = gpt.from_hf_state_dict(load_file(weights_path))
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{weights_path} cannot be read as safetensors ({e}); download or save it again") from None
+    check_state_dict(sd, cfg, weights_path)
+    return cfg, sd
+
+
+def check_state_dict(sd: dict, cfg: gpt.GPTConfig, where: str):
+    """Compare names and shapes with the model cfg describes; one clear message for any mismatch."""
+    with torch.device("meta"):  # shapes only: no memory, instant even for gpt2-xl
+        want = {k: tuple(v.shape) for k, v in gpt.GPT(cfg).state_dict().items()}
+    missing = sorted(set(want) - set(sd))
+    unexpected = sorted(set(sd) - set(want))
+    if missing or unexpected:
+        raise UserError(f"{where} does not match a {cfg.n_layer}-layer GPT-2: missing {missing[:4]}, unexpected {unexpected[:4]}")
+    for k, shape in want.items():
+        if tuple(sd[k].shape) != shape:
+            raise UserError(f"{where}: tensor {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
+
+
+def save_training_state(out_dir: str, state: dict):
+    atomic_write(os.path.join(out_dir, STATE), lambda tmp: torch.save(state, tmp))
+
+
+def load_training_state(out_dir: str) -> dict:
+    path = os.path.join(out_dir, STATE)
+    if not os.path.isfile(path):
+        raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass the --out-dir of an earlier run")
+    try:
+        # weights_only=True: unpickling arbitrary objects can run code; tensors and dicts cannot.
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # a truncated or foreign file; tell the user which one
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: {e}); it is not a byhand training state") from None

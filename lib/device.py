@@ -1,0 +1,102 @@
+"""Which device to run on, in which precision, and how much memory it used.
+
+Used by every script. The one idea: the same training code runs on CUDA, Apple MPS and CPU; only
+three decisions differ (where tensors live, whether matmuls run in 16-bit under autocast, and how
+peak memory is read), and they are all made here.
+"""
+
+import contextlib
+import os
+import random
+import resource
+import sys
+
+import numpy as np
+import torch
+
+from lib.errors import UserError
+
+
+def pick_device(name: str = None) -> torch.device:
+    """--device if given, else cuda, then mps, then cpu."""
+    if name:
+        dev = torch.device(name)
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise UserError("--device cuda was asked for but torch.cuda.is_available() is False; use --device cpu")
+        if dev.type == "mps" and not torch.backends.mps.is_available():
+            raise UserError("--device mps was asked for but MPS is not available here; use --device cpu")
+        return dev
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def amp_dtype(device: torch.device, requested: str = "auto"):
+    """The autocast dtype, or None for plain fp32.
+
+    auto: bf16 on CUDA when the GPU has it (Ampere and newer), else fp16 (which then needs a
+    GradScaler, because fp16 gradients underflow); fp32 on CPU and MPS.
+    """
+    if requested == "fp32":
+        return None
+    if requested == "bf16":
+        return torch.bfloat16
+    if requested == "fp16":
+        return torch.float16
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return None
+
+
+def autocast(device: torch.device, dtype):
+    if dtype is None:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=dtype)
+
+
+def seed_everything(seed: int):
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device
+
+
+def reset_peak_memory(device: torch.device):
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "cpu" and os.path.exists("/proc/self/clear_refs"):
+        # Linux: writing 5 resets the resident-set high-water mark (VmHWM), so the data
+        # preparation before training does not count towards the training peak.
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")
+        except OSError:
+            pass
+
+
+def peak_memory_bytes(device: torch.device) -> int:
+    """CUDA: max allocated by tensors. MPS: driver-allocated now. CPU: the process's peak RSS."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    if device.type == "mps":
+        return torch.mps.driver_allocated_memory()
+    if os.path.exists("/proc/self/status"):
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, kilobytes on Linux
+
+
+def memory_label(device: torch.device) -> str:
+    return {"cuda": "max allocated", "mps": "driver allocated", "cpu": "peak RSS"}[device.type]
+
+
+def synchronize(device: torch.device):
+    # Timings are only honest once queued GPU work has finished.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()

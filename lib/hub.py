@@ -1,0 +1,99 @@
+"""Download model files from the Hugging Face Hub with the standard library.
+
+Used by every script that takes --init-from. The one idea: a hub file is one HTTPS GET of
+`{endpoint}/{repo}/resolve/{revision}/{filename}`; everything else is caching (download once, to a
+temporary name, then rename) and respecting the two variables users already set for
+huggingface_hub: HF_ENDPOINT (a mirror) and HF_HUB_OFFLINE=1 (never touch the network).
+Nothing here runs unless the user names a hub id.
+"""
+
+import os
+import re
+import urllib.error
+import urllib.request
+
+from lib.errors import UserError
+
+DEFAULT_ENDPOINT = "https://huggingface.co"
+# The short names people type, and where those repositories live today.
+ALIASES = {
+    "gpt2": "openai-community/gpt2",
+    "gpt2-medium": "openai-community/gpt2-medium",
+    "gpt2-large": "openai-community/gpt2-large",
+    "gpt2-xl": "openai-community/gpt2-xl",
+}
+
+
+def is_hub_id(name: str) -> bool:
+    return name in ALIASES or re.fullmatch(r"[A-Za-z0-9][\w.-]*/[\w.-]+", name) is not None
+
+
+def offline() -> bool:
+    return os.environ.get("HF_HUB_OFFLINE", "0").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _fetch(url: str, dest: str, log):
+    headers = {"User-Agent": "byhand/0.1 (stdlib urllib)"}
+    if os.environ.get("HF_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
+    tmp = dest + ".incomplete"
+    try:
+        # urllib follows the hub's redirect to its file CDN by itself.
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as resp, open(tmp, "wb") as f:
+            total = int(resp.headers.get("Content-Length") or 0)
+            done, next_report = 0, 0
+            while chunk := resp.read(1 << 20):
+                f.write(chunk)
+                done += len(chunk)
+                if total and done >= next_report:
+                    log(f"  {os.path.basename(dest)}: {done / 1e6:.1f} / {total / 1e6:.1f} MB")
+                    next_report += max(total // 10, 1 << 20)
+        if total and done != total:
+            raise UserError(f"download of {url} stopped at {done} of {total} bytes; run again to retry")
+        os.replace(tmp, dest)
+    except urllib.error.HTTPError as e:
+        what = {401: "needs authentication (set HF_TOKEN)", 403: "is forbidden (gated repository? set HF_TOKEN)",
+                404: "was not found (check the repository id and file name)"}.get(e.code, f"failed with HTTP {e.code}")
+        raise UserError(f"download of {url} {what}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        reason = getattr(e, "reason", e)
+        raise UserError(
+            f"cannot reach {url} ({reason}); check the network or HF_ENDPOINT, or pass a local directory "
+            f"(HF_HUB_OFFLINE=1 uses only the cache)"
+        ) from None
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def download(repo_id: str, filenames, cache_dir: str, revision: str = "main", log=print) -> str:
+    """Make sure cache_dir/hub/<repo>/<revision>/ holds `filenames`; return that directory."""
+    repo_id = ALIASES.get(repo_id, repo_id)
+    local = os.path.join(cache_dir, "hub", repo_id.replace("/", "--"), revision)
+    missing = [f for f in filenames if not os.path.isfile(os.path.join(local, f))]
+    if not missing:
+        return local
+    if offline():
+        raise UserError(
+            f"HF_HUB_OFFLINE is set and {repo_id} is not in the cache ({local} lacks {missing}); "
+            f"unset HF_HUB_OFFLINE once to download it, or pass a local directory"
+        )
+    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+    os.makedirs(local, exist_ok=True)
+    for name in missing:
+        url = f"{endpoint}/{repo_id}/resolve/{revision}/{name}"
+        log(f"downloading {url}")
+        _fetch(url, os.path.join(local, name), log)
+    return local
+
+
+def resolve_pretrained(name_or_dir: str, cache_dir: str, filenames=("config.json", "model.safetensors"), log=print) -> str:
+    """A local directory as it is; a hub id (gpt2, gpt2-medium, org/name) downloaded into the cache."""
+    if os.path.isdir(name_or_dir):
+        return name_or_dir
+    if is_hub_id(name_or_dir) and not os.path.exists(name_or_dir):
+        return download(name_or_dir, filenames, cache_dir, log=log)
+    raise UserError(
+        f"--init-from {name_or_dir!r} is neither a directory nor a hub id; pass a local Hugging Face "
+        f"GPT-2 directory or one of {', '.join(ALIASES)}"
+    )

@@ -1,0 +1,110 @@
+"""Progress lines, the metrics.jsonl log, throughput and MFU.
+
+Used by every script. The one idea: model FLOPs utilisation (MFU) compares the arithmetic the
+model needs per second (about 6 FLOPs per parameter per token, plus attention) with what the chip
+could do at peak; it says how much of the hardware the training loop actually uses.
+"""
+
+import json
+import math
+import os
+import time
+
+import torch
+
+# Dense bf16/fp16 tensor-core peak FLOP/s (no sparsity), from the vendors' data sheets.
+# Matched against torch.cuda.get_device_name(); the first key found in the name wins.
+PEAK_FLOPS = {
+    "H200": 989e12,
+    "H100 PCIe": 756e12,
+    "H100": 989e12,  # SXM
+    "GH200": 989e12,
+    "B200": 2250e12,
+    "A100": 312e12,
+    "A800": 312e12,
+    "L40S": 362e12,
+    "L40": 181e12,
+    "L4": 121e12,
+    "A10G": 70e12,
+    "A10": 125e12,
+    "A6000": 155e12,
+    "RTX 4090": 165e12,
+    "RTX 3090": 71e12,
+    "V100": 125e12,
+    "T4": 65e12,
+}
+
+
+def peak_flops_for(device: torch.device, override: float = None):
+    """Peak FLOP/s of the device, or None when unknown (CPU and MPS unless --peak-flops is given)."""
+    if override:
+        return override
+    if device.type == "cuda":
+        name = torch.cuda.get_device_name(device)
+        for key, flops in PEAK_FLOPS.items():
+            if key in name:
+                return flops
+    return None
+
+
+def flops_per_token(n_params: int, n_layer: int, n_embd: int, block_size: int) -> float:
+    """Training FLOPs per token: 6N for the matmuls (2 forward + 4 backward per parameter) plus
+    12 * n_layer * n_embd * T for attention's scores and weighted sum (PaLM appendix B)."""
+    return 6 * n_params + 12 * n_layer * n_embd * block_size
+
+
+def format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+
+
+def format_seconds(s: float) -> str:
+    if not math.isfinite(s):
+        return "?"
+    s = int(s)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class MetricsLog:
+    """Appends one JSON object per line to OUT/metrics.jsonl (only on the main rank).
+
+    Appending, not rewriting, means a resumed run continues the same file; each record is
+    flushed so that a crash loses at most the line being written.
+    """
+
+    def __init__(self, path: str, enabled: bool = True):
+        self.path, self.enabled = path, enabled
+        if enabled:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+
+    def log(self, **record):
+        if not self.enabled:
+            return
+        record.setdefault("time", round(time.time(), 3))
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class Throughput:
+    """Tokens per second and ETA, smoothed over the steps since the last report."""
+
+    def __init__(self, total_steps: int, start_step: int = 0):
+        self.total = total_steps
+        self.t0 = self.t_last = time.perf_counter()
+        self.step_last = self.start = start_step
+        self.tokens = 0
+
+    def add(self, tokens: int):
+        self.tokens += tokens
+
+    def report(self, step: int):
+        """(tokens/s since the last report, seconds per step, ETA in seconds)."""
+        now = time.perf_counter()
+        dt = max(now - self.t_last, 1e-9)
+        tok_s = self.tokens / dt
+        sec_per_step = dt / max(1, step - self.step_last)
+        eta = sec_per_step * (self.total - step)
+        self.t_last, self.step_last, self.tokens = now, step, 0
+        return tok_s, sec_per_step, eta
