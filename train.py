@@ -87,16 +87,16 @@ def main(argv=None):
 
 @torch.no_grad()
 def evaluate(model, batches, n_batches, device, amp, dist_info):
-    """Mean loss over the same n_batches validation windows every time, averaged over ranks."""
+    """Mean loss over the same n_batches validation batches every time, however many ranks share them."""
     model.eval()
     total = torch.zeros((), device=device)
-    for i in range(n_batches):
+    for i in range(dist_info.rank, n_batches, dist_info.world_size):  # rank r takes batches r, r+N, ...
         x, y = batches.get(i, 0, device)
         with devices.autocast(device, amp):
             _, loss = model(x, y)
         total += loss.float()
     model.train()
-    return distributed.all_reduce_mean(total / n_batches, dist_info).item()
+    return distributed.all_reduce_sum(total, dist_info).item() / n_batches
 
 
 def save(out_dir, raw_model, optimizer, step, args):
@@ -129,8 +129,8 @@ def run(args):
     # --- model configuration --------------------------------------------------------------------
     state_dict, train_state = None, None
     if args.resume:
-        cfg, state_dict = checkpoint.load_hf(args.out_dir)
         train_state = checkpoint.load_training_state(args.out_dir)
+        cfg, state_dict = checkpoint.load_hf(args.out_dir)
         saved_step = checkpoint.weights_step(os.path.join(args.out_dir, checkpoint.WEIGHTS))
         if saved_step != train_state["step"]:
             raise UserError(f"{args.out_dir}: weights are from step {saved_step} but the training state from "
@@ -175,8 +175,8 @@ def run(args):
         data_dir = data.prepare(args.data, args.cache_dir, log=log)
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, dist_info.rank, dist_info.world_size, seed=args.seed)
-    val_batches = data.Batches(data.TokenSplit(data_dir, "val"), args.batch_size, block_size,
-                               1, dist_info.rank, dist_info.world_size, seed=args.seed + 1)
+    # Validation batches are one fixed list, split between ranks inside evaluate().
+    val_batches = data.Batches(data.TokenSplit(data_dir, "val"), args.batch_size, block_size, seed=args.seed + 1)
 
     # --- model ------------------------------------------------------------------------------------
     devices.reset_peak_memory(device)  # count training, not tokenisation

@@ -1,0 +1,50 @@
+"""Shared fixtures: a tiny text corpus, an isolated cache, and the tiny model flags every test uses."""
+
+import os
+import shutil
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# 2 layers, 64 wide: enough to exercise every code path in well under a second per step.
+TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "4",
+        "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1"]
+
+
+@pytest.fixture(autouse=True)
+def isolated_cache(tmp_path_factory, monkeypatch):
+    """Prepared shards and hub downloads go to a per-session temp dir, never ~/.cache."""
+    cache = tmp_path_factory.getbasetemp() / "byhand-cache"
+    monkeypatch.setenv("BYHAND_CACHE", str(cache))
+    monkeypatch.delenv("HF_ENDPOINT", raising=False)
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    return str(cache)
+
+
+@pytest.fixture(scope="session")
+def text_dir(tmp_path_factory):
+    """A directory of real Python source (the stdlib's json and email packages), about 400 KB."""
+    d = tmp_path_factory.mktemp("corpus")
+    stdlib = sysconfig.get_paths()["stdlib"]
+    for pkg in ("json", "email"):
+        for name in sorted(os.listdir(os.path.join(stdlib, pkg))):
+            if name.endswith(".py"):
+                shutil.copy(os.path.join(stdlib, pkg, name), d / f"{pkg}_{name}")
+    return str(d)
+
+
+def read_metrics(out_dir):
+    import json
+
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def step_losses(out_dir):
+    return {r["step"]: r["loss"] for r in read_metrics(out_dir) if "loss" in r}
+
+
+def val_losses(out_dir):
+    return [(r["step"], r["val_loss"]) for r in read_metrics(out_dir) if "val_loss" in r and "event" not in r]
