@@ -7,7 +7,9 @@ backward needs what forward computed; the logits (batch x sequence x 50,257) are
 single largest activation of a small GPT. Add what the runtime itself occupies and you have it.
 """
 
-from lib.gpt import GPTConfig
+import torch
+
+from lib.gpt import Block, GPTConfig
 from lib.metrics import format_bytes
 
 # What the process holds before the model exists: the CPU figure is the resident set of Python
@@ -38,8 +40,13 @@ def activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool
 
 
 def logits_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool = False) -> int:
-    """The [B, T, vocab] logits, their fp32 log-softmax for the loss, and the gradient."""
-    per_value = (2 + 4 + 4 + 4 + 2) if amp else (4 + 4 + 4)
+    """The [B, T, vocab] logits, their fp32 log-softmax for the loss, and the gradients in backward.
+
+    fp32: logits, log-probabilities, their gradient and the logits' gradient, 16 bytes per value
+    (measured on CPU: 16.2). Under 16-bit autocast, by count: 16-bit logits, their fp32 copy,
+    fp32 log-probabilities and gradient, and the 16-bit gradient the matmul receives.
+    """
+    per_value = (2 + 4 + 4 + 4 + 2) if amp else (4 + 4 + 4 + 4)
     return batch_size * block_size * cfg.vocab_size * per_value
 
 
@@ -72,3 +79,140 @@ def format_table(estimate: dict, measured: int = None, measured_label: str = "me
     if measured is not None:
         lines.append(f"  {measured_label:<{width}}{format_bytes(measured):>12}   ({measured / max(total, 1):.2f}x the estimate)")
     return "\n".join(lines)
+
+
+def estimate_fsdp_training(cfg: GPTConfig, n_params: int, batch_size: int, block_size: int, world_size: int,
+                           device_type: str = "cpu", mixed_precision: bool = False,
+                           reshard_after_forward: bool = True, grad_accum: int = 1,
+                           checkpointing: bool = False) -> dict:
+    """Predicted bytes on ONE of world_size FSDP2 ranks (train_fsdp.py), per component.
+
+    The fp32 parameters, gradients and AdamW moments are sharded: each rank keeps 1/world_size.
+    Three things are not: activations (each rank runs its own micro-batch); the parameters FSDP
+    all-gathers to compute with (the root unit, i.e. the tied embedding, wpe and ln_f, for the whole
+    step, plus about two blocks at a time: the one computing and the one prefetched; every block
+    from forward until its backward when reshard_after_forward is False, i.e. ZeRO-2); and the
+    unsharded gradients waiting for their reduce-scatter (the root's, which backward produces first
+    and reduces last, plus one block; the whole model while gradient accumulation skips the sync).
+    """
+    with torch.device("meta"):  # shapes only
+        per_block = sum(p.numel() for p in Block(cfg).parameters())
+    root = n_params - cfg.n_layer * per_block
+    shard = n_params / world_size
+    compute_bytes = 2 if mixed_precision else 4  # bf16 all-gathers under MixedPrecisionPolicy
+    if reshard_after_forward:
+        gathered_label, gathered = "all-gathered params (root + 2 blocks)", root + min(2, cfg.n_layer) * per_block
+    else:
+        gathered_label, gathered = "all-gathered params (all blocks)", n_params
+    if grad_accum > 1:
+        unsharded_label, unsharded = "unsharded grads (all, accumulating)", n_params
+    else:
+        unsharded_label, unsharded = "unsharded grads (root + 1 block)", root + per_block
+    return {
+        "parameters (fp32)": int(shard * 4),
+        "gradients (fp32)": int(shard * 4),
+        "AdamW moments (2 x fp32)": int(shard * 8),
+        gathered_label: gathered * compute_bytes,
+        unsharded_label: unsharded * 4,
+        "activations": activation_bytes(cfg, batch_size, block_size, mixed_precision, checkpointing),
+        "logits + loss": logits_bytes(cfg, batch_size, block_size, mixed_precision),
+        "runtime baseline": RUNTIME_BASELINE.get(device_type, 0),
+    }
+
+
+def format_columns(columns: dict, title: str = "memory estimate per rank:") -> str:
+    """Several estimates side by side ({column label: estimate}); a row a column lacks shows '-'."""
+    rows = list(dict.fromkeys(k for est in columns.values() for k in est))
+    width = max(len(k) for k in rows + ["total (predicted peak)"]) + 2
+    col = max(12, *(len(label) + 2 for label in columns))
+    lines = [title, f"  {'':<{width}}" + "".join(f"{label:>{col}}" for label in columns)]
+    for name in rows:
+        cells = (format_bytes(est[name]) if name in est else "-" for est in columns.values())
+        lines.append(f"  {name:<{width}}" + "".join(f"{c:>{col}}" for c in cells))
+    totals = (format_bytes(sum(est.values())) for est in columns.values())
+    lines.append(f"  {'total (predicted peak)':<{width}}" + "".join(f"{t:>{col}}" for t in totals))
+    return "\n".join(lines)
+
+
+# --- LoRA and QLoRA fine-tuning (finetune_lora.py, finetune_qlora.py) ----------------------------
+# The four linears of a GPT-2 block: name -> (in_features, out_features) in units of n_embd.
+BLOCK_LINEAR_SHAPES = {"attn.c_attn": (1, 3), "attn.c_proj": (1, 1), "mlp.c_fc": (1, 4), "mlp.c_proj": (4, 1)}
+
+
+def nf4_bytes(numel: int, block_size: int = 64, double_quant: bool = True) -> int:
+    """What lib/nf4.py stores for one weight: 4-bit codes (padded to whole blocks) and the absmaxes,
+    int8 + one fp32 scale per 256 + one fp32 mean when double-quantised, else fp32 each."""
+    n_blocks = -(-numel // block_size)
+    codes = n_blocks * block_size // 2
+    return codes + (n_blocks + -(-n_blocks // 256) * 4 + 4 if double_quant else n_blocks * 4)
+
+
+def lora_layers_in_block(targets) -> list:
+    """The block linears a target list selects, by PEFT's rule (equal, or ending in "." + target)."""
+    return [n for n in BLOCK_LINEAR_SHAPES if any(n == t or n.endswith("." + t) for t in targets)]
+
+
+def lora_activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool, targets, r: int,
+                          lora_dropout: float = 0.0) -> int:
+    """Bytes autograd keeps from forward for backward when the base is frozen (logits excluded).
+
+    A frozen linear needs only its weight in backward (dx = dy W), not its input, so less is kept than
+    in full training (activation_bytes). Per block and token: the two LayerNorm inputs on the fp32
+    residual stream (2 x n_embd x 4 bytes); q, k, v and the attention output, which SDPA keeps
+    (4 n_embd), and the GELU input (4 n_embd) in the compute dtype; and for each adapted layer its
+    input (for dA) and the r-wide A x (for dB), plus the dropped copy and its mask with LoRA dropout.
+    The first block's LayerNorm input is not kept (nothing below it needs a gradient), ln_f's is.
+    """
+    s = 2 if amp else 4
+    C = cfg.n_embd
+    per_token = 2 * C * 4 + 8 * C * s
+    for name in lora_layers_in_block(targets):
+        fan_in = BLOCK_LINEAR_SHAPES[name][0] * C
+        per_token += (fan_in + r) * s + (fan_in * (s + 1) if lora_dropout > 0 else 0)
+    return cfg.n_layer * batch_size * block_size * per_token
+
+
+def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, device_type: str = "cpu",
+                             amp: bool = False, base: str = "fp32", targets=("c_attn",), r: int = 8,
+                             lora_bytes: int = 4, lora_dropout: float = 0.0, nf4_block_size: int = 64,
+                             double_quant: bool = True) -> dict:
+    """Predicted bytes per component for LoRA (base "fp32", "bf16" or "fp16") or QLoRA (base "nf4").
+
+    Arithmetic only, no model is built. The block linears are stored as `base` says; embeddings,
+    LayerNorms (and, with NF4, the biases) stay fp32. Only the LoRA matrices have gradients and AdamW
+    moments, in the LoRA dtype (lora_bytes). Under autocast two more things live until backward:
+    the 16-bit copy autocast makes of the tied embedding for the LM head, and (fp32 base only) a
+    16-bit copy of every block weight. QLoRA dequantises one layer at a time: the int32 index copy
+    and fp32 values (6 bytes per weight), plus the cast when computing in 16 bits.
+    """
+    C, L = cfg.n_embd, cfg.n_layer
+    linears = [(a * C, b * C) for a, b in BLOCK_LINEAR_SHAPES.values()]
+    linear_weights = L * sum(i * o for i, o in linears)
+    linear_biases = L * sum(o for _, o in linears) if cfg.bias else 0
+    other = cfg.vocab_size * C + cfg.block_size * C + (2 * L + 1) * C * (2 if cfg.bias else 1)
+    if base == "nf4":
+        base_label = "base weights (NF4 blocks, fp32 embeddings)"
+        base_bytes = L * sum(nf4_bytes(i * o, nf4_block_size, double_quant) for i, o in linears) + (linear_biases + other) * 4
+    else:
+        width = 4 if base == "fp32" else 2
+        base_label = f"base weights ({base} blocks, fp32 embeddings)"
+        base_bytes = (linear_weights + linear_biases) * width + other * 4
+    n_lora = L * r * sum(BLOCK_LINEAR_SHAPES[n][0] * C + BLOCK_LINEAR_SHAPES[n][1] * C for n in lora_layers_in_block(targets))
+    lora_name = {4: "fp32", 2: "bf16"}.get(lora_bytes, f"{lora_bytes} B")
+    estimate = {
+        base_label: base_bytes,
+        f"LoRA parameters ({lora_name})": n_lora * lora_bytes,
+        f"LoRA gradients ({lora_name})": n_lora * lora_bytes,
+        f"AdamW moments (2 x {lora_name})": 2 * n_lora * lora_bytes,
+        "activations": lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout),
+        "logits + loss": logits_bytes(cfg, batch_size, block_size, amp),
+    }
+    if amp:
+        estimate["autocast copy of the tied LM head"] = cfg.vocab_size * C * 2
+        if base == "fp32":
+            estimate["autocast copies of the block weights"] = linear_weights * 2
+    if base == "nf4":
+        largest = max(i * o for i, o in linears)
+        estimate["dequantised weight (one layer at a time)"] = largest * (6 + (2 if amp else 0))
+    estimate["runtime baseline"] = RUNTIME_BASELINE.get(device_type, 0)
+    return estimate

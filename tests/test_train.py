@@ -106,8 +106,8 @@ def test_estimate_memory_prints_and_exits(tmp_path, capsys):
     assert "124,439,808 parameters" in out and "memory estimate" in out
     assert est["parameters (fp32)"] == 124_439_808 * 4
     assert est["AdamW moments (2 x fp32)"] == 124_439_808 * 8
-    # logits: 8 x 1024 x 50257 values, fp32 logits + log-probs + gradient
-    assert est["logits + loss"] == 8 * 1024 * 50257 * 12
+    # logits: 8 x 1024 x 50257 values; fp32 logits, log-probs and two gradients
+    assert est["logits + loss"] == 8 * 1024 * 50257 * 16
     assert not os.listdir(tmp_path)  # nothing trained, nothing written
 
 
