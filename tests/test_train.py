@@ -20,7 +20,7 @@ def run_train(out_dir, data_dir, *extra):
 
 def test_tiny_run_learns_and_writes_everything(tmp_path, text_dir):
     result = run_train(tmp_path, text_dir, "--steps", "30", "--eval-interval", "10", "--lr", "3e-3",
-                       "--warmup-steps", "5", "--sample-tokens", "8")
+                       "--warmup-steps", "5", "--sample-tokens", "8", "--peak-flops", "1e12")
     vals = val_losses(tmp_path)
     assert [s for s, _ in vals] == [0, 10, 20, 30]
     assert vals[0][1] > 10.0  # ~ln(50257) at the start
@@ -30,6 +30,8 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, text_dir):
     assert start["event"] == "start" and start["seed"] == 1337 and start["n_params"] > 0
     assert end["event"] == "end" and end["peak_memory"] > 0 and isinstance(end["sample"], str)
     assert sorted(step_losses(tmp_path)) == list(range(30))
+    logged = [r for r in records if "tokens_per_s" in r]
+    assert len(logged) == 30 and all(0 < r["mfu"] < 1 and r["tokens_per_s"] > 0 for r in logged)
     assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl", "model.safetensors", "training_state.pt"]
     assert result["val_loss"] == vals[-1][1]
 
