@@ -477,8 +477,9 @@ def estimate_memory(cfg, n_params, batch_size, block_size, device_type, amp):
         "gradients (fp32)": int(n_params * 4),
         "AdamW moments (2 x fp32)": int(n_params * 8),
         "activations": cfg.n_layer * per_block + tokens * cfg.n_embd * 4 * 3,  # + embeddings out, ln_f in/out
-        # The [B, T, vocab] logits, their fp32 log-softmax and its gradient: often the largest activation.
-        "logits + loss": tokens * cfg.vocab_size * ((2 + 4 + 4 + 4 + 2) if amp else (4 + 4 + 4)),
+        # The [B, T, vocab] logits, their fp32 log-softmax, its gradient and the logits' gradient (16-bit
+        # logits add an fp32 copy): often the largest activation of a small GPT.
+        "logits + loss": tokens * cfg.vocab_size * ((2 + 4 + 4 + 4 + 2) if amp else (4 + 4 + 4 + 4)),
         # Python with torch and the BPE table loaded; CUDA's max_memory_allocated counts tensors only.
         "runtime baseline": {"cpu": 250 * 2**20, "mps": 100 * 2**20}.get(device_type, 0),
     }
@@ -513,17 +514,19 @@ PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e
 
 # --- training loop ------------------------------------------------------------------------------
 @torch.no_grad()
-def evaluate(model, batches, n_batches, device, amp, world):
-    """Mean loss over the same n_batches validation windows every time, averaged over ranks."""
+def evaluate(model, batches, n_batches, device, amp, rank, world):
+    """Mean loss over the same n_batches validation batches every time, however many ranks share them."""
     model.eval()
     total = torch.zeros((), device=device)
-    for i in range(n_batches):
+    for i in range(rank, n_batches, world):  # rank r takes batches r, r+N, ...
         x, y = batches.get(i, 0, device)
         with autocast(device, amp):
             _, loss = model(x, y)
         total += loss.float()
     model.train()
-    return all_reduce_mean(total / n_batches, world).item()
+    if world > 1:
+        dist.all_reduce(total, op=dist.ReduceOp.SUM)
+    return total.item() / n_batches
 
 
 def run(args):
@@ -590,7 +593,8 @@ def run(args):
     if rank != 0:
         data_dir = prepare_data(args.data, args.cache_dir, log=log)
     train_batches = Batches(data_dir, "train", args.batch_size, block_size, args.grad_accum, rank, world, args.seed)
-    val_batches = Batches(data_dir, "val", args.batch_size, block_size, 1, rank, world, args.seed + 1)
+    # Validation batches are one fixed list (as if on one rank), split between the ranks inside evaluate().
+    val_batches = Batches(data_dir, "val", args.batch_size, block_size, 1, 0, 1, args.seed + 1)
 
     # Model, then optimiser.
     reset_peak_memory(device)  # count training, not tokenisation
@@ -635,7 +639,7 @@ def run(args):
     try:
         for step in range(start_step, args.steps):
             if step % args.eval_interval == 0:
-                val_loss = evaluate(model, val_batches, args.eval_batches, device, amp, world)
+                val_loss = evaluate(model, val_batches, args.eval_batches, device, amp, rank, world)
                 first_val = val_loss if first_val is None else first_val
                 log(f"step {step}: val loss {val_loss:.4f}")
                 log_metrics(step=step, val_loss=val_loss)
@@ -698,7 +702,7 @@ def run(args):
 
     # Final validation loss and checkpoint, then the measured memory beside the estimate, then a sample.
     if args.steps > start_step or not args.resume:
-        val_loss = evaluate(model, val_batches, args.eval_batches, device, amp, world)
+        val_loss = evaluate(model, val_batches, args.eval_batches, device, amp, rank, world)
         log(f"step {step}: val loss {val_loss:.4f}" + (f" (started at {first_val:.4f})" if first_val else ""))
         log_metrics(step=step, val_loss=val_loss)
     if rank == 0:

@@ -201,4 +201,6 @@ def test_torchrun_two_ranks_match_one_process(runs, env):
     assert sorted(ddp) == list(range(6))
     for step in single:
         assert ddp[step] == pytest.approx(single[step], abs=1e-5), step
+    # Validation batches are split between the ranks, so the validation loss does not change either.
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(runs["onefile"])], abs=1e-5)
     assert records(out)[0]["world_size"] == 2
