@@ -123,8 +123,8 @@ def run(args):
     amp = devices.amp_dtype(device, args.dtype)
     if amp is not None and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast use TF32
-    if args.batch_size < 1 or args.grad_accum < 1 or args.steps < 0:
-        raise UserError("--batch-size and --grad-accum must be at least 1 and --steps at least 0")
+    if min(args.batch_size, args.grad_accum, args.eval_interval, args.save_interval, args.log_interval) < 1 or args.steps < 0:
+        raise UserError("--batch-size, --grad-accum and the --*-interval flags must be at least 1, --steps at least 0")
 
     # --- model configuration --------------------------------------------------------------------
     state_dict, train_state = None, None
@@ -200,6 +200,8 @@ def run(args):
         if train_state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(train_state["rng_cuda"])
         start_step = train_state["step"]
+        if args.steps < start_step:
+            raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --steps {start_step} or more")
         log(f"resuming from step {start_step} in {args.out_dir}")
 
     # --- training loop ----------------------------------------------------------------------------
@@ -209,7 +211,10 @@ def run(args):
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
     flops_per_step = metrics.flops_per_token(n_params, cfg.n_layer, cfg.n_embd, block_size) * tokens_per_step
     speed = metrics.Throughput(args.steps, start_step)
-    step, last_saved = start_step, start_step
+    # next_step is what a checkpoint records: it moves only once optimizer.step() has run, so an
+    # interrupt anywhere in a step saves a state that --resume continues without repeating work.
+    next_step = start_step
+    last_saved = start_step if args.resume else None
     val_loss = first_val = None
     try:
         for step in range(start_step, args.steps):
@@ -235,15 +240,16 @@ def run(args):
                 loss_sum += loss.detach()
             loss_value = distributed.all_reduce_mean(loss_sum, dist_info).item()
             if not math.isfinite(loss_value):
-                raise UserError(
-                    f"loss became {loss_value} at step {step}; stopped before the update. The last good checkpoint "
-                    f"(step {last_saved}) in {args.out_dir} is kept; lower --lr or check the data"
-                )
+                kept = f"the last good checkpoint (step {last_saved}) in {args.out_dir} is kept" if last_saved is not None \
+                    else "no checkpoint was saved yet"
+                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, {kept}; "
+                                f"lower --lr or check the data")
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf")).item()
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            next_step = step + 1
             speed.add(tokens_per_step)
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
@@ -258,18 +264,17 @@ def run(args):
                     f"ETA {metrics.format_seconds(eta)}")
             metrics_log.log(**record)
 
-            if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
+            if next_step % args.save_interval == 0 and next_step < args.steps:
                 if dist_info.is_main:
-                    save(args.out_dir, raw_model, optimizer, step + 1, args)
-                last_saved = step + 1
-        step = args.steps
+                    save(args.out_dir, raw_model, optimizer, next_step, args)
+                last_saved = next_step
     except KeyboardInterrupt:
-        # The interrupted step never reached optimizer.step(), so `step` is the next one to run.
         if dist_info.is_main:
-            save(args.out_dir, raw_model, optimizer, step, args)
-            print(f"\ninterrupted: saved step {step} to {args.out_dir}; continue with --resume", file=sys.stderr)
+            save(args.out_dir, raw_model, optimizer, next_step, args)
+            print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
         distributed.cleanup(dist_info)
         sys.exit(130)
+    step = next_step
 
     # --- save -------------------------------------------------------------------------------------
     if args.steps > start_step or not args.resume:

@@ -124,7 +124,7 @@ def prepare(source: str, cache_dir: str = None, log=print) -> str:
     for rel in files:
         # The stdlib ships a few deliberately mis-encoded files (codec tests); skip those, but a
         # user's file that is not UTF-8 is an error they should hear about.
-        text = _read_text(os.path.join(root, rel), skip_undecodable=source.startswith("stdlib"))
+        text = _read_text(os.path.join(root, rel), skip_undecodable=source in ("stdlib", "stdlib-tests"))
         if text.strip():
             texts["val" if (not single_file and is_val_file(rel)) else "train"].append(text)
     enc = tokenizer.get_encoding()
@@ -148,7 +148,7 @@ def prepare(source: str, cache_dir: str = None, log=print) -> str:
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     meta = {"format": FORMAT, "tokenizer": "gpt2", "vocab_size": tokenizer.VOCAB_SIZE, "dtype": "uint16",
-            "source": os.path.abspath(source) if not source.startswith("stdlib") else source, "files": len(files)}
+            "source": source if source in ("stdlib", "stdlib-tests") else os.path.abspath(source), "files": len(files)}
     for split, arr in ids.items():
         meta[f"{split}_tokens"] = int(len(arr))
         meta[f"{split}_shards"] = []
