@@ -1,0 +1,517 @@
+"""Pretrain a GPT-2 with its parameters, gradients and optimizer state sharded across ranks (FSDP2).
+
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py                        # tiny GPT, CPU (gloo)
+    torchrun --standalone --nproc_per_node=8 train_fsdp.py --model-size gpt2-xl   # 1.5B on 8 GPUs
+    torchrun --standalone --nproc_per_node=2 train_fsdp.py --model-size gpt2-xl --estimate-memory
+    python train_fsdp.py                                                          # FSDP with one rank
+
+The same training as train.py (same data windows, same initial weights, same loss at every step for
+the same global batch and seed); only where the tensors live differs. With DDP every rank holds the
+whole model, its gradients and both AdamW moments (16 bytes per parameter). Here each of N ranks
+holds 1/N of each, and the full weights of a block exist only while that block computes: fully_shard
+all-gathers them before its forward and backward and frees them after (reshards), and reduce-scatters
+the gradients so each rank keeps the slice of the mean gradient that its optimizer slice updates.
+docs/fsdp2_explained.md walks through the idea, the arithmetic and the measured numbers.
+
+Reading order: arguments, device and distributed setup, model configuration, data, model, optimiser,
+training loop, save, report. The helpers above run() are the FSDP-specific steps they call.
+"""
+
+import argparse
+import functools
+import json
+import math
+import os
+import shutil
+import signal
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+import torch.nn as nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.utils.checkpoint import checkpoint as recompute
+
+from lib import checkpoint, data, distributed, gpt, memory, metrics, optim
+from lib import device as devices
+from lib.errors import UserError, report_and_exit
+
+SHARDED = "sharded"  # OUT/sharded/step-000050/ holds one .distcp file per rank; latest.json names the newest
+LATEST = "latest.json"
+TIED = "lm_head.weight"  # is transformer.wte.weight
+
+
+# --- arguments ----------------------------------------------------------------------------------
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(
+        description="Pretrain GPT-2 with FSDP2 (fully_shard): parameters, gradients and AdamW state sharded "
+                    "across the ranks torchrun starts. Plain `python train_fsdp.py` runs one rank.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
+                   "directory, or 'stdlib' (the running Python's standard library, tests left out)")
+    g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards are kept")
+    g = p.add_argument_group("model")
+    g.add_argument("--model-size", default="tiny", choices=list(gpt.MODEL_SIZES), help="a GPT-2 shape")
+    g.add_argument("--n-layer", type=int, help="override the shape's layer count")
+    g.add_argument("--n-head", type=int, help="override the shape's head count")
+    g.add_argument("--n-embd", type=int, help="override the shape's width")
+    g.add_argument("--block-size", type=int, help="sequence length (default: the shape's)")
+    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (GPT-2 pretraining used 0.1)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--steps", type=int, default=150, help="optimizer steps in total")
+    g.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per rank")
+    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate as a fraction of --lr")
+    g.add_argument("--warmup-steps", type=int, default=15, help="steps of linear learning-rate warmup")
+    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices and embeddings only)")
+    g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
+    g.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g = p.add_argument_group("FSDP2")
+    g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
+                   help="free each block's gathered weights after its forward and gather them again for backward "
+                   "(ZeRO-3); --no-reshard-after-forward keeps them until backward (ZeRO-2: more memory, less traffic)")
+    g.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "off"],
+                   help="bf16: compute with bf16 copies of the weights and reduce gradients in fp32 "
+                   "(MixedPrecisionPolicy); auto = bf16 on CUDA GPUs that have it, off elsewhere")
+    g.add_argument("--cpu-offload", action="store_true",
+                   help="keep the parameter, gradient and optimizer shards in host RAM (CPUOffloadPolicy); CUDA only")
+    g.add_argument("--activation-checkpointing", action="store_true",
+                   help="keep only each block's input in forward and recompute the rest during backward")
+    g = p.add_argument_group("run")
+    g.add_argument("--device", help="cuda, mps or cpu (default: the first available, in that order)")
+    g.add_argument("--seed", type=int, default=1337, help="the same on every rank: weights, data order")
+    g.add_argument("--out-dir", default="out/train_fsdp", help="sharded checkpoints, metrics.jsonl and the exported model")
+    g.add_argument("--resume", action="store_true", help="continue from the newest sharded checkpoint in --out-dir")
+    g.add_argument("--export", action=argparse.BooleanOptionalAction, default=True,
+                   help="at the end, gather the full weights on rank 0 and write config.json + model.safetensors "
+                   "(the Hugging Face GPT-2 layout train.py writes)")
+    g.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
+    g.add_argument("--eval-batches", type=int, default=10, help="batches per validation loss")
+    g.add_argument("--save-interval", type=int, default=50, help="steps between sharded checkpoints (and one at the end)")
+    g.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
+    g.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, for MFU where it is not in the table")
+    g.add_argument("--estimate-memory", action="store_true",
+                   help="print the predicted memory per rank for the ranks torchrun started, and exit (the model "
+                   "is built on the meta device only)")
+    return p.parse_args(argv)
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except UserError as e:
+        report_and_exit(e)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+# --- the FSDP steps run() calls, in the order it calls them -------------------------------------
+def join_process_group(device):
+    """torchrun's ranks join one group; a plain `python` run makes a group of one, because fully_shard
+    needs a process group even when there is nobody to share with (an in-process store needs no port)."""
+    info = distributed.setup(device.type)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+    return info
+
+
+def build_sharded_model(cfg, mesh, args, mp_dtype, offload):
+    """The GPT on the meta device (shapes, no memory), sharded block by block, then the root.
+
+    Each fully_shard call makes one unit whose weights are all-gathered together. The root unit takes
+    what no block owns: wte, wpe, ln_f and lm_head; lm_head.weight IS wte.weight (tied), and a tied
+    weight must live in one unit, or it would be gathered twice and its two gradients never summed.
+    """
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+    kw = dict(mesh=mesh, reshard_after_forward=args.reshard_after_forward)
+    if mp_dtype is not None:
+        # Compute in bf16; reduce-scatter gradients in fp32 so averaging N ranks loses no precision.
+        kw["mp_policy"] = MixedPrecisionPolicy(param_dtype=mp_dtype, reduce_dtype=torch.float32)
+    if offload:
+        kw["offload_policy"] = CPUOffloadPolicy()
+    for block in model.transformer.h:
+        if args.activation_checkpointing:
+            # An instance attribute wins over Block.forward, so module names (and checkpoints) stay the same.
+            block.forward = functools.partial(recompute, block.forward, use_reentrant=False)
+        fully_shard(block, **kw)
+    fully_shard(model, **kw)
+    return model
+
+
+@torch.no_grad()
+def init_like_train_py(model, cfg):
+    """Give the sharded model exactly the weights gpt.GPT(cfg) gets in train.py, never holding more than
+    one full layer: each rank draws every layer's full tensors with the CPU RNG and keeps its own slice.
+
+    Why not torch.nn.init.normal_ on the sharded DTensors? On CPU each rank then fills only its local
+    slice from its own generator: with the same seed every rank draws the same numbers, so rank 1's rows
+    are a copy of rank 0's (DTensor's RNG that avoids this exists for CUDA only, and draws a different
+    stream from train.py's anyway). train.py's weights come from one stream in a fixed order: first every
+    layer's constructor (nn.Linear's kaiming_uniform_, nn.Embedding's normal_), then GPT.init_weights
+    over the modules in the same order. Both passes are replayed here, layer by layer.
+    """
+    # named_modules() lists the layers in the order GPT.__init__ built them: the order of the draws.
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, (nn.Linear, nn.Embedding, nn.LayerNorm))]
+    for _, m in layers:  # pass 1: what each layer's constructor draws (values discarded)
+        cpu_twin(m, on="cpu")
+    for name, m in layers:  # pass 2: GPT.init_weights, run on a one-layer stand-in so its rules stay in lib/gpt.py
+        twin = cpu_twin(m, on="meta").to_empty(device="cpu")
+        holder = nn.Module()
+        holder.config = cfg
+        holder.add_module(name.rsplit(".", 1)[-1], twin)  # init_weights picks the std by the name's ending
+        gpt.GPT.init_weights(holder)
+        for pname, p in m.named_parameters(recurse=False):
+            full = getattr(twin, pname).to(p.device_mesh.device_type)
+            # src_data_rank=None: every rank already holds the same full tensor, so no communication;
+            # distribute_tensor only cuts out this rank's slice, exactly as fully_shard cut the shapes.
+            mine = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local()
+            p.to_local().copy_(mine)  # into the shard's storage, wherever it lives (GPU, or host with offload)
+            # The tied wte/lm_head weight is written twice, the lm_head draw last, as in train.py.
+
+
+def cpu_twin(m, on):
+    """A layer of m's full (unsharded) shape; built on "cpu" its constructor draws from the RNG, on "meta" not."""
+    with torch.device(on):
+        if isinstance(m, nn.Linear):
+            return nn.Linear(m.in_features, m.out_features, bias=m.bias is not None)
+        if isinstance(m, nn.Embedding):
+            return nn.Embedding(m.num_embeddings, m.embedding_dim)
+        return nn.LayerNorm(m.normalized_shape, eps=m.eps, bias=m.bias is not None)
+
+
+def local(t):
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def held_bytes(model, optimizer):
+    """What this rank holds (the DTensors' local shards) and what the unsharded model would need."""
+    params = list(model.parameters())  # the tied weight appears once
+    opt_state = [v for s in optimizer.state.values() for v in s.values() if torch.is_tensor(v)]
+    grads = [p.grad for p in params if p.grad is not None]
+    return {
+        "parameters": sum(local(p).nbytes for p in params),
+        "gradients": sum(local(g).nbytes for g in grads),
+        "optimizer": sum(local(v).nbytes for v in opt_state),
+        "parameters_unsharded": sum(p.numel() * p.element_size() for p in params),
+        "gradients_unsharded": sum(g.numel() * g.element_size() for g in grads),
+        "optimizer_unsharded": sum(v.numel() * v.element_size() for v in opt_state),
+    }
+
+
+def memory_report(when, held, device):
+    """Every rank's held bytes and peak, gathered to every rank; the lines for rank 0 to print."""
+    mine = dict(held, peak=devices.peak_memory_bytes(device))
+    ranks = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    fb = metrics.format_bytes
+    lines = [f"memory per rank {when} (local DTensor shards; unsharded model in brackets; peak = {devices.memory_label(device)}):"]
+    for r, m in enumerate(ranks):
+        cells = "  ".join(f"{k} {fb(m[k]):>10} [{fb(m[k + '_unsharded'])}]" for k in ("parameters", "gradients", "optimizer"))
+        lines.append(f"  rank {r}: {cells}  peak {fb(m['peak'])}")
+    return ranks, "\n".join(lines)
+
+
+@torch.no_grad()
+def evaluate(model, batches, n_batches, device):
+    """Mean loss over one fixed list of validation batches, split between the ranks (as train.py does).
+
+    Every rank runs the same number of forwards, even when n_batches does not divide evenly: each forward
+    all-gathers weights, and a rank that skipped one would leave the others waiting for it.
+    """
+    model.eval()
+    world, rank = dist.get_world_size(), dist.get_rank()
+    total = torch.zeros((), device=device)
+    for i in range(rank, math.ceil(n_batches / world) * world, world):  # rank r: batches r, r+N, ...
+        x, y = batches.get(min(i, n_batches - 1), 0, device)
+        loss = model(x, y)[1].float()
+        total += loss if i < n_batches else 0.0  # the padding forward counts for nothing
+    model.train()
+    dist.all_reduce(total)
+    return total.item() / n_batches
+
+
+def read_latest(out_dir):
+    path = os.path.join(out_dir, SHARDED, LATEST)
+    if not os.path.isfile(path):
+        raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass the --out-dir of an "
+                        f"earlier train_fsdp.py run")
+    with open(path) as f:
+        return json.load(f)
+
+
+def save_sharded(out_dir, model, optimizer, step, cfg, args):
+    """Every rank writes its own shard of the weights and AdamW state (torch.distributed.checkpoint);
+    then rank 0 points latest.json at the new directory and removes the older ones.
+
+    latest.json is written last and atomically, so a save cut short leaves the previous one in charge.
+    """
+    root = os.path.join(out_dir, SHARDED)
+    name = f"step-{step:06d}"
+    path = os.path.join(root, name)
+    if dist.get_rank() == 0 and os.path.isdir(path):
+        shutil.rmtree(path)  # left by an earlier run in this --out-dir
+    dist.barrier()
+    model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: each rank's slice plus where it sits
+    del model_sd[TIED]  # the same tensor as transformer.wte.weight; store it once
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    # Each rank's generator draws its own dropout masks; the data order needs no state (it is the step).
+    torch.save(torch.get_rng_state(), os.path.join(path, f"rng-rank{dist.get_rank()}.pt"))
+    dist.barrier()
+    if dist.get_rank() == 0:
+        checkpoint.save_json(os.path.join(root, LATEST), {"step": step, "checkpoint": name,
+                                                          "world_size": dist.get_world_size(),
+                                                          "config": vars(cfg), "args": vars(args)})
+        for old in os.listdir(root):
+            if old.startswith("step-") and old != name:
+                shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+
+
+def load_sharded(out_dir, model, optimizer, latest):
+    """Each rank reads the slices it owns now; DCP reshards, so the saving run may have had another N."""
+    path = os.path.join(out_dir, SHARDED, latest["checkpoint"])
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise UserError(f"{path} is incomplete (no .metadata); the save was interrupted, start again without --resume")
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    del model_sd[TIED]
+    state = {"model": model_sd, "optimizer": optim_sd}
+    dcp.load(state, checkpoint_id=path)  # in place, into this rank's shards
+    state["model"][TIED] = state["model"]["transformer.wte.weight"]
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
+    rng = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
+    if os.path.isfile(rng):
+        torch.set_rng_state(torch.load(rng, weights_only=True))
+
+
+def export_hf(out_dir, model, cfg, step):
+    """Gather the full weights, one tensor at a time, onto rank 0's CPU and write train.py's HF layout."""
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() == 0:
+        with torch.device("meta"):
+            plain = gpt.GPT(cfg)
+        plain.load_state_dict(full, assign=True)  # a plain GPT around the gathered tensors, for to_hf_state_dict
+        checkpoint.save_hf(out_dir, cfg, gpt.to_hf_state_dict(plain), step=step)
+    dist.barrier()
+
+
+def run(args):
+    # --- device and distributed setup -----------------------------------------------------------
+    device = devices.pick_device(args.device)
+    dist_info = join_process_group(device)
+    device = distributed.device_for(dist_info, device)
+    world, rank, is_main = dist.get_world_size(), dist.get_rank(), dist_info.is_main
+    log = print if is_main else (lambda *a, **k: None)
+    devices.seed_everything(args.seed)  # the same seed on every rank; init_like_train_py relies on it
+    mesh = init_device_mesh(device.type, (world,))  # one dimension: shard over all ranks
+    if args.batch_size < 1 or args.grad_accum < 1 or args.steps < 0:
+        raise UserError("--batch-size and --grad-accum must be at least 1 and --steps at least 0")
+    if args.mixed_precision == "auto":
+        mp_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    else:
+        mp_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None
+    if args.cpu_offload and device.type != "cuda":
+        raise UserError(f"--cpu-offload moves shards from GPU memory to host RAM, but the device is {device.type} "
+                        f"(already host memory); drop --cpu-offload or run on CUDA")
+
+    # --- model configuration --------------------------------------------------------------------
+    latest = read_latest(args.out_dir) if args.resume else None
+    if latest is not None:
+        cfg = gpt.GPTConfig(**latest["config"])
+    else:
+        shape = dict(gpt.MODEL_SIZES[args.model_size])
+        for key in ("n_layer", "n_head", "n_embd", "block_size"):
+            if getattr(args, key) is not None:
+                shape[key] = getattr(args, key)
+        if shape["n_embd"] % shape["n_head"]:
+            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}")
+        cfg = gpt.GPTConfig(**shape, dropout=args.dropout)
+    block_size = args.block_size or cfg.block_size
+    if block_size > cfg.block_size:
+        raise UserError(f"--block-size {block_size} exceeds the model's {cfg.block_size} positions; use at most {cfg.block_size}")
+    with torch.device("meta"):
+        n_params = gpt.GPT(cfg).num_params()  # the tied wte/lm_head weight counted once
+    tokens_per_step = args.batch_size * block_size * args.grad_accum * world
+    log(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, {n_params:,} parameters; "
+        f"FSDP2 over {world} rank{'s' if world > 1 else ''} ({device.type}, {dist.get_backend()}), "
+        f"{'bf16 compute, fp32 reduce' if mp_dtype else 'fp32'}, "
+        f"{'ZeRO-3 (reshard after forward)' if args.reshard_after_forward else 'ZeRO-2 (no reshard after forward)'}"
+        f"{', CPU offload' if args.cpu_offload else ''}{', activation checkpointing' if args.activation_checkpointing else ''}; "
+        f"{tokens_per_step:,} tokens per step")
+    estimate = memory.estimate_fsdp_training(cfg, n_params, args.batch_size, block_size, world, device.type,
+                                             mp_dtype is not None, args.reshard_after_forward, args.grad_accum,
+                                             args.activation_checkpointing)
+    if args.estimate_memory:
+        # Shard the meta model for real: the per-rank counts are FSDP's, padding included, with no memory used.
+        sharded = build_sharded_model(cfg, mesh, args, mp_dtype, offload=False)
+        counts = [None] * world
+        dist.all_gather_object(counts, sum(local(p).numel() for p in sharded.parameters()))
+        unsharded = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type,
+                                                 mp_dtype is not None, checkpointing=args.activation_checkpointing)
+        log(f"parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
+            + f" (of {n_params:,}; {n_params / world:,.0f} = 1/{world} each)")
+        log(memory.format_columns({f"FSDP2, 1 of {world}": estimate, "DDP / unsharded": unsharded},
+                                  f"memory estimate per rank (lib/memory.py, batch {args.batch_size} x {block_size}, "
+                                  f"{'bf16' if mp_dtype else 'fp32'}):"))
+        log("activations and logits belong to each rank's own micro-batch and are never sharded: lower "
+            "--batch-size, add --activation-checkpointing (and --mixed-precision bf16 on a GPU) to shrink them")
+        return {"estimate": estimate, "unsharded": unsharded, "params_per_rank": counts, "n_params": n_params}
+
+    # --- data -------------------------------------------------------------------------------------
+    # Rank 0 tokenises (once, cached); the others wait and then find the cache.
+    if is_main:
+        data_dir = data.prepare(args.data, args.cache_dir, log=log)
+    dist.barrier()
+    if not is_main:
+        data_dir = data.prepare(args.data, args.cache_dir, log=log)
+    # Rank r takes slice [micro, r] of each step's windows: N ranks see what one process sees with N x --grad-accum.
+    train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
+                                 args.grad_accum, rank, world, seed=args.seed)
+    val_batches = data.Batches(data.TokenSplit(data_dir, "val"), args.batch_size, block_size, seed=args.seed + 1)
+
+    # --- model ------------------------------------------------------------------------------------
+    devices.reset_peak_memory(device)  # count training, not tokenisation
+    model = build_sharded_model(cfg, mesh, args, mp_dtype, args.cpu_offload)
+    # Allocate only this rank's shards (uninitialised), on the GPU, or in host RAM under --cpu-offload.
+    model.to_empty(device="cpu" if args.cpu_offload else device)
+    if latest is None:
+        init_like_train_py(model, cfg)
+    params_per_rank = [None] * world
+    dist.all_gather_object(params_per_rank, sum(local(p).numel() for p in model.parameters()))
+
+    # --- optimiser --------------------------------------------------------------------------------
+    # Built on the sharded parameters, so each rank's AdamW keeps moments for its slice only.
+    optimizer = optim.make_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2),
+                                 "cpu" if args.cpu_offload else device.type)
+    start_step = 0
+    if latest is not None:
+        load_sharded(args.out_dir, model, optimizer, latest)
+        start_step = latest["step"]
+        log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)")
+    _, text = memory_report("at start", held_bytes(model, optimizer), device)
+    log(text)
+
+    # --- training loop ----------------------------------------------------------------------------
+    metrics_log = metrics.MetricsLog(os.path.join(args.out_dir, "metrics.jsonl"), enabled=is_main)
+    metrics_log.log(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
+                    n_params=n_params, params_per_rank=params_per_rank, config=vars(cfg), args=vars(args))
+    peak_flops = metrics.peak_flops_for(device, args.peak_flops)
+    flops_per_step = metrics.flops_per_token(n_params, cfg.n_layer, cfg.n_embd, block_size) * tokens_per_step
+    speed = metrics.Throughput(args.steps, start_step)
+    # Ctrl-C only raises a flag: the ranks agree at the end of each step to stop, so all of them reach
+    # the collective save together instead of one leaving while the others wait in an all-gather.
+    stop = {"requested": False}
+    previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))
+    step, last_saved = start_step, start_step
+    held = held_bytes(model, optimizer)
+    val_loss = first_val = None
+    timed_tokens, timed_seconds = 0, 0.0
+    try:
+        for step in range(start_step, args.steps):
+            t0 = time.perf_counter()
+            if step % args.eval_interval == 0:
+                val_loss = evaluate(model, val_batches, args.eval_batches, device)
+                first_val = val_loss if first_val is None else first_val
+                log(f"step {step}: val loss {val_loss:.4f}")
+                metrics_log.log(step=step, val_loss=val_loss)
+                t0 = time.perf_counter()
+
+            lr = optim.lr_at(step, args.lr, args.warmup_steps, args.steps, args.min_lr_ratio)
+            for group in optimizer.param_groups:
+                group["lr"] = lr
+            loss_sum = torch.zeros((), device=device)
+            for micro in range(args.grad_accum):
+                x, y = train_batches.get(step, micro, device)
+                # Reduce-scatter only after the last micro-batch; until then each rank adds into unsharded
+                # gradients (memory for the whole model's gradients, but one reduce-scatter per step).
+                model.set_requires_gradient_sync(micro == args.grad_accum - 1)
+                _, loss = model(x, y)
+                loss = loss / args.grad_accum  # so the accumulated gradient is the batch mean
+                loss.backward()
+                loss_sum += loss.detach()
+            loss_value = distributed.all_reduce_mean(loss_sum, dist_info).item()
+            if not math.isfinite(loss_value):
+                raise UserError(
+                    f"loss became {loss_value} at step {step}; stopped before the update. The last good checkpoint "
+                    f"(step {last_saved}) in {args.out_dir}/{SHARDED} is kept; lower --lr or check the data"
+                )
+            # The gradients are DTensors: the norm of each local slice is summed over ranks inside.
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
+            grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
+            optimizer.step()
+            if step == args.steps - 1:
+                held = held_bytes(model, optimizer)  # the only moment gradients and AdamW state both exist
+            optimizer.zero_grad(set_to_none=True)
+            speed.add(tokens_per_step)
+            if step > start_step:  # the first step pays for warm-up; leave it out of the average
+                timed_tokens += tokens_per_step
+                timed_seconds += time.perf_counter() - t0
+
+            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            if step % args.log_interval == 0 or step == args.steps - 1:
+                devices.synchronize(device)
+                tok_s, sec_per_step, eta = speed.report(step + 1)
+                mfu = flops_per_step / sec_per_step / (peak_flops * world) if peak_flops else None
+                mem = devices.peak_memory_bytes(device)
+                record.update(tokens_per_s=round(tok_s), mfu=mfu, peak_memory=mem)
+                log(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tok_s:8,.0f} tok/s | "
+                    f"MFU {f'{mfu:.1%}' if mfu is not None else 'n/a'} | mem {metrics.format_bytes(mem)} (rank 0) | "
+                    f"ETA {metrics.format_seconds(eta)}")
+            metrics_log.log(**record)
+
+            flag = torch.tensor(float(stop["requested"]), device=device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if flag.item():
+                raise KeyboardInterrupt
+            if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
+                save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args)
+                last_saved = step + 1
+        step = args.steps
+    except KeyboardInterrupt:
+        # Raised only after a finished step that every rank agreed on, so step + 1 is the next to run.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT; finish the save
+        save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args)
+        log(f"\ninterrupted: saved step {step + 1} to {args.out_dir}/{SHARDED}; continue with --resume", file=sys.stderr)
+        dist.destroy_process_group()
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+
+    # --- save -------------------------------------------------------------------------------------
+    if args.steps > start_step or not args.resume:
+        val_loss = evaluate(model, val_batches, args.eval_batches, device)
+        log(f"step {step}: val loss {val_loss:.4f}" + (f" (started at {first_val:.4f})" if first_val else ""))
+        metrics_log.log(step=step, val_loss=val_loss)
+    if step > last_saved or latest is None:
+        save_sharded(args.out_dir, model, optimizer, step, cfg, args)
+        log(f"saved sharded checkpoint {args.out_dir}/{SHARDED}/step-{step:06d} ({world} shard files)")
+    if args.export:
+        export_hf(args.out_dir, model, cfg, step)
+        log(f"exported {args.out_dir}/{checkpoint.CONFIG} and {checkpoint.WEIGHTS} (Hugging Face GPT-2 layout)")
+
+    # --- report -----------------------------------------------------------------------------------
+    ranks, text = memory_report("at end (after the last optimizer step)", held, device)
+    log(text)
+    peak = ranks[0]["peak"]
+    log(memory.format_table(estimate, peak, f"measured (rank 0 {devices.memory_label(device)})"))
+    tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
+    metrics_log.log(event="end", step=step, val_loss=val_loss, peak_memory=peak, memory_per_rank=ranks,
+                    tokens_per_s=tokens_per_s, memory_estimate=sum(estimate.values()))
+    return {"val_loss": val_loss, "first_val_loss": first_val, "peak_memory": peak, "memory_per_rank": ranks,
+            "params_per_rank": params_per_rank, "tokens_per_s": tokens_per_s, "world_size": world,
+            "memory_estimate": estimate}
+
+
+if __name__ == "__main__":
+    main()
