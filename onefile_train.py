@@ -24,6 +24,8 @@ import pathlib
 import random
 import resource
 import shutil
+import signal
+import socket
 import sys
 import sysconfig
 import time
@@ -278,7 +280,7 @@ def prepare_data(source, cache_dir, log=print):
     if len(ids["train"]) == 0 or not any(texts.values()):
         raise UserError(f"data {source!r} is empty: no text found in {len(files)} file(s); add some text")
 
-    tmp = out + ".tmp"
+    tmp = f"{out}.tmp-{socket.gethostname()}-{os.getpid()}"  # private: machines may share the cache
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     meta = {"format": FORMAT, "tokenizer": "gpt2", "vocab_size": VOCAB_SIZE, "dtype": "uint16",
@@ -290,8 +292,15 @@ def prepare_data(source, cache_dir, log=print):
             arr[i : i + SHARD_TOKENS].tofile(os.path.join(tmp, meta[f"{split}_shards"][-1]))
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)  # a directory rename is atomic: a half-written cache never looks prepared
+    if os.path.isdir(out) and not os.path.isfile(os.path.join(out, "meta.json")):
+        shutil.rmtree(out)  # the remains of a copy that never finished
+    try:
+        os.rename(tmp, out)  # a directory rename is atomic: a half-written cache never looks prepared
+    except OSError:  # another process finished the same data first: keep its identical copy
+        if not os.path.isfile(os.path.join(out, "meta.json")):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     log(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
     return out
 
@@ -466,7 +475,7 @@ def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio):
 
 
 # --- memory and speed ---------------------------------------------------------------------------
-def estimate_memory(cfg, n_params, batch_size, block_size, device_type, amp):
+def estimate_memory(cfg, n_params, batch_size, block_size, device_type, amp, ddp):
     """Predicted bytes per component of AdamW training (lib/memory.py's formula, explained there)."""
     tokens = batch_size * block_size
     # Autograd keeps, per block and token, the two LayerNorm inputs (fp32 residual stream) and 15 x n_embd
@@ -482,7 +491,7 @@ def estimate_memory(cfg, n_params, batch_size, block_size, device_type, amp):
         "logits + loss": tokens * cfg.vocab_size * ((2 + 4 + 4 + 4 + 2) if amp else (4 + 4 + 4 + 4)),
         # Python with torch and the BPE table loaded; CUDA's max_memory_allocated counts tensors only.
         "runtime baseline": {"cpu": 250 * 2**20, "mps": 100 * 2**20}.get(device_type, 0),
-    }
+    } | ({"DDP gradient buckets (fp32)": int(n_params * 4)} if ddp else {})  # DDP all-reduces a flat copy
 
 
 def format_bytes(n):
@@ -579,18 +588,18 @@ def run(args):
     log(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, {n_params:,} parameters; "
         f"device {device}{f' x {world} ranks' if world > 1 else ''}, "
         f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; {tokens_per_step:,} tokens per step")
-    estimate = estimate_memory(cfg, n_params, args.batch_size, block_size, device.type, amp is not None)
+    estimate = estimate_memory(cfg, n_params, args.batch_size, block_size, device.type, amp is not None, world > 1)
     if args.estimate_memory:
         log(format_memory_table(estimate))
         cleanup_distributed(world)
         return estimate
 
-    # Data: rank 0 tokenises (once, cached); the others wait, then find the cache.
-    if rank == 0:
+    # Data: one process per machine tokenises (once, cached); the others wait, then find the cache.
+    if local_rank == 0:
         data_dir = prepare_data(args.data, args.cache_dir, log=log)
     if world > 1:
         dist.barrier()
-    if rank != 0:
+    if local_rank != 0:
         data_dir = prepare_data(args.data, args.cache_dir, log=log)
     train_batches = Batches(data_dir, "train", args.batch_size, block_size, args.grad_accum, rank, world, args.seed)
     # Validation batches are one fixed list (as if on one rank), split between the ranks inside evaluate().
@@ -693,6 +702,7 @@ def run(args):
                 last_saved = step + 1
         step = args.steps
     except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second Ctrl-C: let the save finish
         # Save exactly the updates made so far: --resume then runs next_step, neither skipped nor repeated.
         if rank == 0:
             save_checkpoint(args.out_dir, raw_model, optimizer, next_step, args)

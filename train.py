@@ -14,8 +14,8 @@ import contextlib
 import json
 import math
 import os
+import signal
 import sys
-import time
 
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -160,18 +160,19 @@ def run(args):
         f"device {device}{f' x {dist_info.world_size} ranks' if dist_info.enabled else ''}, "
         f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; {tokens_per_step:,} tokens per step")
 
-    estimate = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type, amp is not None)
+    estimate = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type, amp is not None,
+                                            ddp=dist_info.enabled)
     if args.estimate_memory:
         log(memory.format_table(estimate))
         distributed.cleanup(dist_info)
         return estimate
 
     # --- data -------------------------------------------------------------------------------------
-    # Rank 0 tokenises (once, cached); the others wait and then find the cache.
-    if dist_info.is_main:
+    # One process per machine tokenises (once, cached); the others wait and then find the cache.
+    if dist_info.local_rank == 0:
         data_dir = data.prepare(args.data, args.cache_dir, log=log)
     distributed.barrier(dist_info)
-    if not dist_info.is_main:
+    if dist_info.local_rank != 0:
         data_dir = data.prepare(args.data, args.cache_dir, log=log)
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, dist_info.rank, dist_info.world_size, seed=args.seed)
@@ -269,6 +270,8 @@ def run(args):
                     save(args.out_dir, raw_model, optimizer, next_step, args)
                 last_saved = next_step
     except KeyboardInterrupt:
+        # torchrun forwards a second Ctrl-C to its workers; ignore it so it cannot cut the save short.
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         if dist_info.is_main:
             save(args.out_dir, raw_model, optimizer, next_step, args)
             print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)

@@ -15,6 +15,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import sysconfig
 
 import numpy as np
@@ -144,7 +145,8 @@ def prepare(source: str, cache_dir: str = None, log=print) -> str:
     if len(ids["train"]) == 0 or not any(t.strip() for docs in texts.values() for t in docs):
         raise UserError(f"data {source!r} is empty: no text found in {len(files)} file(s); add some text")
 
-    tmp = out + ".tmp"
+    # A private temporary name: machines sharing the cache may prepare the same data at once.
+    tmp = f"{out}.tmp-{socket.gethostname()}-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     meta = {"format": FORMAT, "tokenizer": "gpt2", "vocab_size": tokenizer.VOCAB_SIZE, "dtype": "uint16",
@@ -158,9 +160,17 @@ def prepare(source: str, cache_dir: str = None, log=print) -> str:
             meta[f"{split}_shards"].append(fname)
     with open(os.path.join(tmp, "meta.json"), "w") as f:
         json.dump(meta, f, indent=2)
-    # A directory rename is atomic: a half-written cache can never look prepared.
-    shutil.rmtree(out, ignore_errors=True)
-    os.rename(tmp, out)
+    # A directory rename is atomic: a half-written cache can never look prepared. If another
+    # process finished first, its copy is identical; keep it and drop ours.
+    if os.path.isdir(out) and not is_prepared(out):
+        shutil.rmtree(out)  # the remains of a copy that never finished
+    try:
+        os.rename(tmp, out)
+    except OSError:
+        if not is_prepared(out):
+            raise
+        shutil.rmtree(tmp, ignore_errors=True)
+        return out
     log(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
     return out
 

@@ -51,22 +51,24 @@ def logits_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool = F
 
 
 def estimate_gpt_training(cfg: GPTConfig, n_params: int, batch_size: int, block_size: int,
-                          device_type: str = "cpu", amp: bool = False, shards: int = 1,
+                          device_type: str = "cpu", amp: bool = False, ddp: bool = False,
                           checkpointing: bool = False) -> dict:
-    """Predicted bytes per component for full-parameter AdamW training of a GPT.
+    """Predicted bytes per component for full-parameter AdamW training of a GPT on one device.
 
-    shards > 1 divides parameters, gradients and optimizer state (FSDP/ZeRO-3); activations are
-    per rank and never sharded.
+    ddp adds DDP's gradient buckets: DDP copies gradients into flat buckets to all-reduce them,
+    a second fp32 copy of every gradient. Activations are per device and never shared.
     """
-    per_rank = n_params / shards
-    return {
-        "parameters (fp32)": int(per_rank * 4),
-        "gradients (fp32)": int(per_rank * 4),
-        "AdamW moments (2 x fp32)": int(per_rank * 8),
+    estimate = {
+        "parameters (fp32)": int(n_params * 4),
+        "gradients (fp32)": int(n_params * 4),
+        "AdamW moments (2 x fp32)": int(n_params * 8),
         "activations": activation_bytes(cfg, batch_size, block_size, amp, checkpointing),
         "logits + loss": logits_bytes(cfg, batch_size, block_size, amp),
         "runtime baseline": RUNTIME_BASELINE.get(device_type, 0),
     }
+    if ddp:
+        estimate["DDP gradient buckets (fp32)"] = int(n_params * 4)
+    return estimate
 
 
 def format_table(estimate: dict, measured: int = None, measured_label: str = "measured peak") -> str:
@@ -156,20 +158,30 @@ def lora_activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp:
                           lora_dropout: float = 0.0) -> int:
     """Bytes autograd keeps from forward for backward when the base is frozen (logits excluded).
 
-    A frozen linear needs only its weight in backward (dx = dy W), not its input, so less is kept than
-    in full training (activation_bytes). Per block and token: the two LayerNorm inputs on the fp32
-    residual stream (2 x n_embd x 4 bytes); q, k, v and the attention output, which SDPA keeps
-    (4 n_embd), and the GELU input (4 n_embd) in the compute dtype; and for each adapted layer its
-    input (for dA) and the r-wide A x (for dB), plus the dropped copy and its mask with LoRA dropout.
-    The first block's LayerNorm input is not kept (nothing below it needs a gradient), ln_f's is.
+    A frozen linear needs only its weight in backward (dx = dy W), not its input, so less is kept
+    than in full training (activation_bytes). An op keeps its inputs only if a gradient must pass
+    through it: per block and token, the two LayerNorm inputs on the fp32 residual stream
+    (n_embd x 4 bytes each), q, k, v and the attention output, which SDPA keeps (4 n_embd), and the
+    GELU input (4 n_embd) in the compute dtype; each adapted layer keeps its input (for dA) and the
+    r-wide A x (for dB), plus dropout's one-byte mask with LoRA dropout. In the first block nothing
+    below the lowest adapted layer needs a gradient, so only what lies above it is kept; ln_f's
+    input is kept once.
     """
     s = 2 if amp else 4
     C = cfg.n_embd
-    per_token = 2 * C * 4 + 8 * C * s
-    for name in lora_layers_in_block(targets):
-        fan_in = BLOCK_LINEAR_SHAPES[name][0] * C
-        per_token += (fan_in + r) * s + (fan_in * (s + 1) if lora_dropout > 0 else 0)
-    return cfg.n_layer * batch_size * block_size * per_token
+    adapted = lora_layers_in_block(targets)
+    ops = [("ln_1", C * 4), ("attn.c_attn", 0), ("attention", 4 * C * s), ("attn.c_proj", 0),
+           ("ln_2", C * 4), ("mlp.c_fc", 0), ("gelu", 4 * C * s), ("mlp.c_proj", 0)]  # forward order
+    per_block = first_block = 0
+    grad_below = False  # in the first block: is anything below this op adapted?
+    for name, kept in ops:
+        if name in adapted:
+            fan_in = BLOCK_LINEAR_SHAPES[name][0] * C
+            kept = (fan_in + r) * s + (fan_in if lora_dropout > 0 else 0)
+        per_block += kept
+        grad_below = grad_below or name in adapted
+        first_block += kept if grad_below else 0
+    return batch_size * block_size * ((cfg.n_layer - 1) * per_block + first_block + C * 4)
 
 
 def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, device_type: str = "cpu",

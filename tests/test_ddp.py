@@ -1,7 +1,6 @@
 """DDP for real: torchrun --nproc_per_node=2 on CPU (gloo) against one process with the same global batch."""
 
 import os
-import shutil
 import subprocess
 import sys
 
