@@ -4,11 +4,9 @@
     python onefile_train.py --model-size gpt2 --compile       # GPT-2 124M on a GPU
     torchrun --standalone --nproc_per_node=2 onefile_train.py # DDP: one process per device
 
-Everything train.py takes from lib/ is written out here, in reading order: arguments, device,
-tokenizer, data, model, optimiser, memory and speed, training loop, checkpoint, sample. With the same
-seed and flags it prints the same loss at every step as train.py, writes the same files and shares its
-data cache. The flags are train.py's, except that --init-from takes only a local directory: this file
-never touches the network (train.py downloads hub models into --cache-dir/hub/).
+Read it top to bottom: arguments, device, tokenizer, data, model, optimiser, memory and speed, training loop,
+checkpoint, sample. With the same seed and flags it prints train.py's loss at every step, writes the same files
+and shares its data cache; only its --init-from takes a local directory, never a hub id to download.
 """
 
 import argparse
@@ -16,7 +14,6 @@ import base64
 import contextlib
 import functools
 import hashlib
-import inspect
 import json
 import math
 import os
@@ -39,9 +36,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import load_file, save_file
-from torch.nn.parallel import DistributedDataParallel as DDP
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 # The published GPT-2 shapes; "tiny" is this repository's CPU default.
 MODEL_SIZES = {
@@ -59,19 +53,18 @@ class UserError(Exception):
 
 # --- arguments ----------------------------------------------------------------------------------
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description="Pretrain GPT-2 from scratch, all in one file (train.py: the same with lib/).",
+    p = argparse.ArgumentParser(description="Pretrain GPT-2 from scratch in one file (train.py: the same with lib/).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
-                   "directory, or 'stdlib' (the running Python's standard library, tests left out)")
+    g.add_argument("--data", default="stdlib", help="a text file, a directory of them, prepared shards, or 'stdlib'")
     g.add_argument("--cache-dir", default=os.environ.get("BYHAND_CACHE", os.path.expanduser("~/.cache/byhand")),
-                   help="where prepared shards and hub downloads are kept")
+                   help="where prepared shards are kept (shared with train.py)")
     g = p.add_argument_group("model")
     g.add_argument("--model-size", default="tiny", choices=list(MODEL_SIZES), help="a GPT-2 shape")
     g.add_argument("--n-layer", type=int, help="override the shape's layer count")
     g.add_argument("--n-head", type=int, help="override the shape's head count")
     g.add_argument("--n-embd", type=int, help="override the shape's width")
-    g.add_argument("--block-size", type=int, help="sequence length (default: the shape's, or the checkpoint's)")
+    g.add_argument("--block-size", type=int, help="sequence length (if unset: the shape's, or the checkpoint's)")
     g.add_argument("--dropout", type=float, default=0.0)
     g.add_argument("--init-from", help="start from a Hugging Face GPT-2 directory (config.json + model.safetensors)")
     g = p.add_argument_group("optimisation")
@@ -86,12 +79,12 @@ def parse_args(argv=None):
     g.add_argument("--beta2", type=float, default=0.95)
     g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
     g = p.add_argument_group("run")
-    g.add_argument("--device", help="cuda, mps or cpu (default: the first available, in that order)")
+    g.add_argument("--device", help="cuda, mps or cpu (if unset: the first available, in that order)")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--seed", type=int, default=1337)
-    g.add_argument("--out-dir", default="out/onefile_train", help="checkpoint (HF layout), training state and metrics.jsonl")
+    g.add_argument("--out-dir", default="out/onefile_train", help="checkpoint, training state and metrics")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --out-dir")
     g.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
     g.add_argument("--eval-batches", type=int, default=10, help="batches per validation loss")
@@ -101,7 +94,7 @@ def parse_args(argv=None):
     g.add_argument("--estimate-memory", action="store_true", help="print the predicted memory breakdown and exit")
     g = p.add_argument_group("sample")
     g.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: none)")
-    g.add_argument("--prompt", default="", help="sample prompt (default: start a new file after <|endoftext|>)")
+    g.add_argument("--prompt", default="", help="sample prompt (if empty: start a new file after <|endoftext|>)")
     g.add_argument("--temperature", type=float, default=0.8)
     g.add_argument("--top-k", type=int, default=200)
     return p.parse_args(argv)
@@ -113,19 +106,16 @@ def pick_device(name=None):
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     if not name:
         return torch.device(next(kind for kind, ok in available.items() if ok))
-    dev = torch.device(name)
-    if not available.get(dev.type, True):
-        raise UserError(f"--device {name} was asked for but {dev.type} is not available here; use --device cpu")
-    return dev
+    if not available.get(torch.device(name).type, True):
+        raise UserError(f"--device {name} was asked for but is not available here; use --device cpu")
+    return torch.device(name)
 
 
 def amp_dtype(device, requested):
     """The autocast dtype, or None for fp32. fp16 needs a GradScaler, because its gradients underflow."""
-    if requested != "auto":
-        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return None
+    if requested == "auto":
+        requested = "fp32" if device.type != "cuda" else "bf16" if torch.cuda.is_bf16_supported() else "fp16"
+    return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[requested]
 
 
 def autocast(device, dtype):
@@ -142,10 +132,8 @@ def reset_peak_memory(device):
 
 def peak_memory_bytes(device):
     """CUDA: max allocated by tensors. MPS: driver-allocated now. CPU: the process's peak RSS."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    if device.type == "mps":
-        return torch.mps.driver_allocated_memory()
+    if device.type != "cpu":
+        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else torch.mps.driver_allocated_memory()
     if os.path.exists("/proc/self/status"):  # Linux: VmHWM, the mark reset_peak_memory resets
         with open("/proc/self/status") as f:
             return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
@@ -181,7 +169,7 @@ def cleanup_distributed(world):
 # --- tokenizer ----------------------------------------------------------------------------------
 # GPT-2's BPE is a table of byte sequences with merge ranks plus a regex that splits text into words
 # first; tiktoken does the merging, we hand it the table shipped in data/ (checked by its hash).
-RANKS_PATH = os.path.join(HERE, "data", "gpt2.tiktoken")
+RANKS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "data", "gpt2.tiktoken")
 RANKS_SHA256 = "306cd27f03c1a714eca7108e03d66b7dc042abe8c258b44c199a7ed9838dd930"
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 EOT, VOCAB_SIZE = 50256, 50257  # <|endoftext|> joins documents; 50,000 merges + 256 bytes + EOT
@@ -189,8 +177,7 @@ EOT, VOCAB_SIZE = 50256, 50257  # <|endoftext|> joins documents; 50,000 merges +
 
 @functools.lru_cache(maxsize=None)
 def get_encoding():
-    with open(RANKS_PATH, "rb") as f:
-        raw = f.read()
+    raw = pathlib.Path(RANKS_PATH).read_bytes()
     if hashlib.sha256(raw).hexdigest() != RANKS_SHA256:
         raise UserError(f"{RANKS_PATH} does not have the GPT-2 ranks' sha256 {RANKS_SHA256}; restore it from git")
     ranks = {base64.b64decode(tok): int(rank) for tok, rank in (line.split() for line in raw.splitlines() if line)}
@@ -199,12 +186,9 @@ def get_encoding():
 
 
 # --- data ---------------------------------------------------------------------------------------
-# Tokenise once into flat uint16 shards on disk (GPT-2's 50,257 ids fit in 16 bits), in lib/data.py's
-# format and cache layout so that train.py and this file share the cache; a batch is then random
-# windows read through a memory map.
-FORMAT = "byhand-tokens-v1"
-SHARD_TOKENS = 100_000_000  # 200 MB per shard
-VAL_PERCENT = 5
+# Tokenise once into flat uint16 shards on disk (GPT-2's 50,257 ids fit in 16 bits), in the format and cache
+# layout of lib/data.py, so train.py shares them; a batch is then random windows read through a memory map.
+FORMAT, SHARD_TOKENS, VAL_PERCENT = "byhand-tokens-v1", 100_000_000, 5  # 200 MB shards, 5% held out
 STDLIB = ("stdlib", "stdlib-tests")  # the stdlib's code, or its test files (a second domain)
 
 
@@ -224,8 +208,7 @@ def list_source(source):
     if source in STDLIB:
         return source, sysconfig.get_paths()["stdlib"], stdlib_files(tests=source == "stdlib-tests")
     if not os.path.exists(source):
-        raise UserError(f"data path {source!r} does not exist; pass a text file, a directory of text files or a "
-                        f"prepared shard directory")
+        raise UserError(f"data path {source!r} does not exist; pass a text file, a directory of text files or 'stdlib'")
     if os.path.isfile(source):
         return os.path.basename(source), os.path.dirname(os.path.abspath(source)), [os.path.basename(source)]
     files = []
@@ -238,7 +221,7 @@ def list_source(source):
 def prepare_data(source, cache_dir, log=print):
     """Tokenise source into cache_dir/data/<name>-<key>/ unless it is there already; return that directory."""
     if os.path.isdir(source) and os.path.isfile(os.path.join(source, "meta.json")):
-        load_meta(source)
+        load_meta(source)  # already prepared shards: only check them
         return source
     name, root, files = list_source(source)
     if not files:
@@ -255,8 +238,7 @@ def prepare_data(source, cache_dir, log=print):
     log(f"preparing {name}: tokenising {len(files)} file(s) with the GPT-2 BPE -> {out}")
     texts = {"train": [], "val": []}
     for rel in files:
-        with open(os.path.join(root, rel), "rb") as f:
-            raw = f.read()
+        raw = pathlib.Path(root, rel).read_bytes()
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -290,8 +272,7 @@ def prepare_data(source, cache_dir, log=print):
         for i in range(0, max(1, len(arr)), SHARD_TOKENS):
             meta[f"{split}_shards"].append(f"{split}_{i // SHARD_TOKENS:04d}.bin")
             arr[i : i + SHARD_TOKENS].tofile(os.path.join(tmp, meta[f"{split}_shards"][-1]))
-    with open(os.path.join(tmp, "meta.json"), "w") as f:
-        json.dump(meta, f, indent=2)
+    pathlib.Path(tmp, "meta.json").write_text(json.dumps(meta, indent=2))
     if os.path.isdir(out) and not os.path.isfile(os.path.join(out, "meta.json")):
         shutil.rmtree(out)  # the remains of a copy that never finished
     try:
@@ -300,7 +281,6 @@ def prepare_data(source, cache_dir, log=print):
         if not os.path.isfile(os.path.join(out, "meta.json")):
             raise
         shutil.rmtree(tmp, ignore_errors=True)
-        return out
     log(f"prepared {meta['train_tokens']:,} train and {meta['val_tokens']:,} val tokens")
     return out
 
@@ -308,8 +288,7 @@ def prepare_data(source, cache_dir, log=print):
 def load_meta(path):
     meta_path = os.path.join(path, "meta.json")
     try:
-        with open(meta_path) as f:
-            meta = json.load(f)
+        meta = json.loads(pathlib.Path(meta_path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise UserError(f"{meta_path} cannot be read ({e}); delete the directory and prepare the data again") from None
     if meta.get("format") != FORMAT or meta.get("vocab_size") != VOCAB_SIZE or meta.get("dtype") != "uint16":
@@ -319,11 +298,9 @@ def load_meta(path):
 
 class Batches:
     """Random [batch, block+1] windows of one split; the windows of a step depend only on (seed, step).
-
-    A step's grad_accum x world x batch_size windows are drawn together and rank r takes micro-batch
-    m's slice [m, r]: N ranks read, in total, what one process with N times the accumulation reads,
-    and a resumed run reads what an uninterrupted one would have.
-    """
+    A step's grad_accum x world x batch_size windows are drawn together and rank r takes micro-batch m's
+    slice [m, r]: N ranks read what one process with N times the accumulation reads, and a resumed run
+    reads what an uninterrupted one would have."""
 
     def __init__(self, data_dir, split, batch_size, block_size, grad_accum, rank, world, seed):
         meta, self.shards = load_meta(data_dir), []
@@ -422,9 +399,9 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying saves vocab x n_embd parameters
-        # GPT-2's init: N(0, 0.02), with the two residual projections per block scaled by
-        # 1/sqrt(2 n_layer) so that the residual stream's variance does not grow with depth.
-        # (lm_head comes last and re-initialises the shared wte matrix: the RNG order train.py uses.)
+        # GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer) so the residual stream's
+        # variance does not grow with depth; LayerNorms keep gain 1, bias 0. lm_head comes last and re-draws the
+        # tied wte: the RNG order train.py uses.
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj") else 0.02
@@ -433,10 +410,6 @@ class GPT(nn.Module):
                     nn.init.zeros_(module.bias)
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            elif isinstance(module, nn.LayerNorm):
-                nn.init.ones_(module.weight)
-                if module.bias is not None:
-                    nn.init.zeros_(module.bias)
 
     def forward(self, idx, targets=None):
         B, T = idx.shape
@@ -460,8 +433,7 @@ def make_adamw(model, lr, weight_decay, betas, device_type):
     groups = [{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
               {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}]
     # The fused kernel updates every parameter in one launch instead of one per tensor.
-    fused = "fused" in inspect.signature(torch.optim.AdamW).parameters and device_type in ("cuda", "cpu", "mps")
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=fused or None)
+    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=device_type in ("cuda", "cpu", "mps") or None)
 
 
 def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio):
@@ -486,8 +458,7 @@ def estimate_memory(cfg, n_params, batch_size, block_size, device_type, amp, ddp
         "gradients (fp32)": int(n_params * 4),
         "AdamW moments (2 x fp32)": int(n_params * 8),
         "activations": cfg.n_layer * per_block + tokens * cfg.n_embd * 4 * 3,  # + embeddings out, ln_f in/out
-        # The [B, T, vocab] logits, their fp32 log-softmax, its gradient and the logits' gradient (16-bit
-        # logits add an fp32 copy): often the largest activation of a small GPT.
+        # logits, their fp32 log-softmax and both gradients (+ an fp32 copy of 16-bit logits): a small GPT's largest
         "logits + loss": tokens * cfg.vocab_size * ((2 + 4 + 4 + 4 + 2) if amp else (4 + 4 + 4 + 4)),
         # Python with torch and the BPE table loaded; CUDA's max_memory_allocated counts tensors only.
         "runtime baseline": {"cpu": 250 * 2**20, "mps": 100 * 2**20}.get(device_type, 0),
@@ -508,17 +479,14 @@ def format_seconds(s):
 
 def format_memory_table(estimate, measured=None, label="measured peak"):
     width, total = max(len(k) for k in estimate) + 2, sum(estimate.values())
-    lines = ["memory estimate:"] + [f"  {name:<{width}}{format_bytes(b):>12}" for name, b in estimate.items()]
-    lines.append(f"  {'total (predicted peak)':<{width}}{format_bytes(total):>12}")
-    if measured is not None:
-        lines.append(f"  {label:<{width}}{format_bytes(measured):>12}   ({measured / max(total, 1):.2f}x the estimate)")
-    return "\n".join(lines)
+    rows = [*estimate.items(), ("total (predicted peak)", total), *([(label, measured)] if measured is not None else [])]
+    table = "memory estimate:" + "".join(f"\n  {name:<{width}}{format_bytes(b):>12}" for name, b in rows)
+    return table + (f"   ({measured / max(total, 1):.2f}x the estimate)" if measured is not None else "")
 
 
 # Dense bf16 tensor-core peak FLOP/s from the data sheets; the first key found in the GPU's name wins.
-PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "GH200": 989e12, "B200": 2250e12,
-              "A100": 312e12, "A800": 312e12, "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12,
-              "A10": 125e12, "A6000": 155e12, "RTX 4090": 165e12, "RTX 3090": 71e12, "V100": 125e12, "T4": 65e12}
+PEAK_FLOPS = {"H200": 989e12, "H100 PCIe": 756e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12,
+              "L40S": 362e12, "L40": 181e12, "L4": 121e12, "A10G": 70e12, "RTX 4090": 165e12, "T4": 65e12}
 
 
 # --- training loop ------------------------------------------------------------------------------
@@ -568,17 +536,14 @@ def run(args):
         cfg, state_dict = load_hf(args.init_from)
         cfg.dropout = args.dropout
     else:
-        shape = dict(MODEL_SIZES[args.model_size])
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
-            if getattr(args, key) is not None:
-                shape[key] = getattr(args, key)
+        flags = {key: getattr(args, key) for key in ("n_layer", "n_head", "n_embd", "block_size")}
+        shape = MODEL_SIZES[args.model_size] | {key: v for key, v in flags.items() if v is not None}
         if shape["n_embd"] % shape["n_head"]:
             raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}")
         cfg = GPTConfig(**shape, dropout=args.dropout)
     block_size = args.block_size or cfg.block_size
     if block_size > cfg.block_size:
-        raise UserError(f"--block-size {block_size} exceeds the model's {cfg.block_size} positions; "
-                        f"use at most {cfg.block_size}")
+        raise UserError(f"--block-size {block_size} is more than the model's {cfg.block_size} positions; lower it")
     if cfg.vocab_size < VOCAB_SIZE:
         raise UserError(f"vocabulary mismatch: the checkpoint has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer "
                         f"needs {VOCAB_SIZE}; use a GPT-2 checkpoint")
@@ -614,7 +579,7 @@ def run(args):
     model = torch.compile(raw_model) if args.compile else raw_model
     if world > 1:
         # DDP averages gradients across ranks during backward, overlapping communication with compute.
-        model = DDP(model, device_ids=[local_rank] if device.type == "cuda" else None)
+        model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     optimizer = make_adamw(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device.type)
     # fp16 gradients underflow; the scaler multiplies the loss up and divides the gradients back.
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
@@ -627,8 +592,7 @@ def run(args):
         start_step = train_state["step"]
         log(f"resuming from step {start_step} in {args.out_dir}")
 
-    def log_metrics(**record):
-        # One JSON object per line, appended (a resumed run continues the file), from rank 0 only.
+    def log_metrics(**record):  # one JSON object per line, appended (a resumed run continues the file)
         if rank == 0:
             os.makedirs(args.out_dir, exist_ok=True)
             with open(os.path.join(args.out_dir, "metrics.jsonl"), "a") as f:
@@ -642,7 +606,7 @@ def run(args):
     # MFU: about 6 FLOPs per parameter per token (2 forward, 4 backward) plus attention's 12 L C T.
     flops_per_step = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * block_size) * tokens_per_step
     t_last, step_last = time.perf_counter(), start_step
-    step = next_step = start_step  # next_step: the first step whose update is not in the weights yet
+    next_step = start_step  # the first step whose update is not in the weights yet: what a checkpoint records
     last_saved = start_step if args.resume else None
     val_loss = first_val = None
     try:
@@ -696,11 +660,10 @@ def run(args):
                     f"ETA {format_seconds(eta)}")
             log_metrics(**record)
 
-            if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
+            if next_step % args.save_interval == 0 and next_step < args.steps:
                 if rank == 0:
-                    save_checkpoint(args.out_dir, raw_model, optimizer, step + 1, args)
-                last_saved = step + 1
-        step = args.steps
+                    save_checkpoint(args.out_dir, raw_model, optimizer, next_step, args)
+                last_saved = next_step
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second Ctrl-C: let the save finish
         # Save exactly the updates made so far: --resume then runs next_step, neither skipped nor repeated.
@@ -709,6 +672,7 @@ def run(args):
             print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
         cleanup_distributed(world)
         sys.exit(130)
+    step = next_step
 
     # Final validation loss and checkpoint, then the measured memory beside the estimate, then a sample.
     if args.steps > start_step or not args.resume:
@@ -721,10 +685,7 @@ def run(args):
     peak = peak_memory_bytes(device)
     label = {"cuda": "max allocated", "mps": "driver allocated", "cpu": "peak RSS"}[device.type]
     log(format_memory_table(estimate, peak, f"measured ({label})"))
-    sample = None
-    if args.sample_tokens > 0 and rank == 0:
-        sample = sample_text(raw_model, args, device, amp)
-        log("sample:\n" + "-" * 40 + "\n" + sample + "\n" + "-" * 40)
+    sample = sample_text(raw_model, args, device, amp) if args.sample_tokens > 0 and rank == 0 else None
     log_metrics(event="end", step=step, val_loss=val_loss, peak_memory=peak, memory_estimate=sum(estimate.values()),
                 sample=sample)
     cleanup_distributed(world)
@@ -752,10 +713,10 @@ def atomic_write(path, write):
 def save_checkpoint(out_dir, model, optimizer, step, args):
     """Weights in the HF layout, then the state --resume needs. step = the next step to run."""
     os.makedirs(out_dir, exist_ok=True)
-    # lm_head is tied to wte, so it is left out; transformers re-ties it on load.
+    # lm_head is tied to wte, so it is left out; transformers re-ties it on load. The step in the metadata
+    # lets --resume check that weights and training state belong together.
     tensors = {name: (t.t() if name.endswith(CONV1D_NAMES) else t).detach().to("cpu").contiguous()
                for name, t in model.state_dict().items() if name != "lm_head.weight"}
-    # The step in the metadata lets --resume check that weights and training state belong together.
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda tmp: save_file(tensors, tmp, metadata={"format": "pt", "step": str(step)}))
     c = model.config
@@ -764,8 +725,8 @@ def save_checkpoint(out_dir, model, optimizer, step, args):
                  "n_head": c.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": c.dropout,
                  "embd_pdrop": c.dropout, "attn_pdrop": c.dropout, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
                  "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True, "torch_dtype": "float32"}
-    config_text = json.dumps(hf_config, indent=2) + "\n"
-    atomic_write(os.path.join(out_dir, "config.json"), lambda tmp: pathlib.Path(tmp).write_text(config_text))
+    atomic_write(os.path.join(out_dir, "config.json"),
+                 lambda tmp: pathlib.Path(tmp).write_text(json.dumps(hf_config, indent=2) + "\n"))
     state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
              "data_position": step,  # batches are a function of (seed, step): the step is the position
@@ -776,28 +737,22 @@ def save_checkpoint(out_dir, model, optimizer, step, args):
 def load_hf(model_dir):
     """A Hugging Face GPT-2 directory -> (GPTConfig, state dict in our names and layouts)."""
     config_path, weights_path = os.path.join(model_dir, "config.json"), os.path.join(model_dir, "model.safetensors")
-    hint = ("point --init-from at a directory holding a GPT-2 config.json and model.safetensors (this file never "
-            "downloads: `python train.py --init-from gpt2` puts hub models under --cache-dir/hub/)")
-    if not os.path.isfile(config_path):
-        raise UserError(f"{config_path} is missing, so {model_dir!r} is not a GPT-2 checkpoint; {hint}")
+    hint = "point --init-from at a local GPT-2 directory (`python train.py --init-from gpt2` downloads one)"
     try:
-        with open(config_path) as f:
-            hf = json.load(f)
+        hf = json.loads(pathlib.Path(config_path).read_text())
         cfg = GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), vocab_size=hf["vocab_size"],
                         n_layer=hf["n_layer"], n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=hf.get("resid_pdrop", 0.0))
         is_gpt2 = hf.get("model_type", "gpt2") == "gpt2" and hf.get("n_inner") in (None, 4 * cfg.n_embd) and \
             hf.get("activation_function", "gelu_new") in ("gelu_new", "gelu_pytorch_tanh")
-    except (json.JSONDecodeError, KeyError, AttributeError):
+    except (OSError, json.JSONDecodeError, KeyError, AttributeError):
         is_gpt2 = False
     if not is_gpt2:
-        raise UserError(f"{config_path} is not a GPT-2 config (model_type gpt2 with n_layer, n_head, n_embd, "
-                        f"vocab_size, 4x MLP and tanh GELU); {hint}")
-    if not os.path.isfile(weights_path):
-        raise UserError(f"{weights_path} is missing (.bin weights must be converted to safetensors); {hint}")
+        raise UserError(f"{config_path} is missing or not a GPT-2 config (model_type gpt2 with n_layer, n_head, "
+                        f"n_embd, vocab_size, 4x MLP and tanh GELU); {hint}")
     try:
         hf_state = load_file(weights_path)
-    except (SafetensorError, OSError) as e:
-        raise UserError(f"{weights_path} cannot be read as safetensors ({e}); download or save it again") from None
+    except (SafetensorError, OSError) as e:  # .bin weights must be converted to safetensors first
+        raise UserError(f"{weights_path} is missing or not safetensors ({e}); {hint}") from None
     sd = {}
     for name, t in hf_state.items():
         if name.endswith((".attn.bias", ".attn.masked_bias")):
@@ -819,8 +774,7 @@ def load_hf(model_dir):
 def load_training_state(out_dir):
     path = os.path.join(out_dir, "training_state.pt")
     if not os.path.isfile(path):
-        raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass the --out-dir of "
-                        f"an earlier run")
+        raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass an earlier --out-dir")
     try:
         # weights_only=True: unpickling arbitrary objects can run code; tensors and dicts cannot.
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -832,8 +786,7 @@ def load_training_state(out_dir):
 @torch.no_grad()
 def sample_text(model, args, device, amp):
     model.eval()
-    # The default prompt is <|endoftext|> itself: "start a new file". A prompt's text is encoded as
-    # ordinary characters even where it spells "<|endoftext|>".
+    # The default prompt is <|endoftext|>, "start a new file"; a prompt's text never becomes a special token.
     idx = torch.tensor([get_encoding().encode_ordinary(args.prompt) if args.prompt else [EOT]], device=device)
     g = torch.Generator(device=device).manual_seed(args.seed)
     for _ in range(args.sample_tokens):
@@ -849,7 +802,9 @@ def sample_text(model, args, device, amp):
                 logits = logits.masked_fill(logits < kth, float("-inf"))
             next_id = torch.multinomial(F.softmax(logits, dim=-1), num_samples=1, generator=g)
         idx = torch.cat((idx, next_id), dim=1)
-    return get_encoding().decode([t for t in idx[0].tolist() if t != EOT])
+    text = get_encoding().decode([t for t in idx[0].tolist() if t != EOT])
+    print("sample:\n" + "-" * 40 + "\n" + text + "\n" + "-" * 40)
+    return text
 
 
 def main(argv=None):
