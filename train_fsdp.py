@@ -66,12 +66,12 @@ def parse_args(argv=None):
     g.add_argument("--block-size", type=int, help="sequence length (default: the shape's)")
     g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (GPT-2 pretraining used 0.1)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=150, help="optimizer steps in total")
-    g.add_argument("--batch-size", type=int, default=16, help="sequences per micro-batch per rank")
+    g.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
+    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
     g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
     g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
     g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate as a fraction of --lr")
-    g.add_argument("--warmup-steps", type=int, default=15, help="steps of linear learning-rate warmup")
+    g.add_argument("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
     g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices and embeddings only)")
     g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
     g.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
@@ -95,9 +95,9 @@ def parse_args(argv=None):
     g.add_argument("--export", action=argparse.BooleanOptionalAction, default=True,
                    help="at the end, gather the full weights on rank 0 and write config.json + model.safetensors "
                    "(the Hugging Face GPT-2 layout train.py writes)")
-    g.add_argument("--eval-interval", type=int, default=50, help="steps between validation losses")
+    g.add_argument("--eval-interval", type=int, default=100, help="steps between validation losses")
     g.add_argument("--eval-batches", type=int, default=10, help="batches per validation loss")
-    g.add_argument("--save-interval", type=int, default=50, help="steps between sharded checkpoints (and one at the end)")
+    g.add_argument("--save-interval", type=int, default=100, help="steps between sharded checkpoints (and one at the end)")
     g.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
     g.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, for MFU where it is not in the table")
     g.add_argument("--estimate-memory", action="store_true",

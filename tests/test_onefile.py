@@ -21,7 +21,7 @@ from lib import checkpoint, gpt
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 6 steps of 2 micro-batches of 2 x 32 tokens; validation at steps 0, 3 and 6.
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "2",
-         "--steps", "6", "--eval-interval", "3", "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1"]
+         "--steps", "6", "--warmup-steps", "2", "--eval-interval", "3", "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1"]
 PROSE = """The quick brown fox jumps over the lazy dog. Numbers: 3.14159, 2.71828, 1,000,000 and 42.
 Ünïcödé text, emoji 🙂, tabs\tand
 blank lines, and a quote: "it's a trap," she said; 'we'll see'."""
