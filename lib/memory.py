@@ -150,8 +150,9 @@ def nf4_bytes(numel: int, block_size: int = 64, double_quant: bool = True) -> in
 
 
 def lora_layers_in_block(targets) -> list:
-    """The block linears a target list selects, by PEFT's rule (equal, or ending in "." + target)."""
-    return [n for n in BLOCK_LINEAR_SHAPES if any(n == t or n.endswith("." + t) for t in targets)]
+    """The block linears a target list selects, by PEFT's rule (equal, or ending in "." + target); a full
+    path such as transformer.h.0.attn.c_attn counts as its kind in every block (an upper bound)."""
+    return [n for n in BLOCK_LINEAR_SHAPES if any(n == t or n.endswith("." + t) or t.endswith("." + n) for t in targets)]
 
 
 def lora_activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool, targets, r: int,
