@@ -498,7 +498,7 @@ def evaluate(model, batches, n_batches, device, amp, rank, world):
     for i in range(rank, n_batches, world):  # rank r takes batches r, r+N, ...
         x, y = batches.get(i, 0, device)
         with autocast(device, amp):
-            _, loss = model(x, y)
+            loss = model(x, y)[1]
         total += loss.float()
     model.train()
     if world > 1:
@@ -575,6 +575,7 @@ def run(args):
     raw_model = GPT(cfg)
     if state_dict is not None:
         raw_model.load_state_dict(state_dict)
+        del state_dict  # the model holds its own copy now
     raw_model.to(device)
     model = torch.compile(raw_model) if args.compile else raw_model
     if world > 1:
@@ -627,7 +628,7 @@ def run(args):
                 sync = model.no_sync() if world > 1 and micro < args.grad_accum - 1 else contextlib.nullcontext()
                 with sync:
                     with autocast(device, amp):
-                        _, loss = model(x, y)
+                        loss = model(x, y)[1]  # drop the logits now: holding them costs B x T x vocab floats
                     loss = loss / args.grad_accum  # so the accumulated gradient is the batch mean
                     scaler.scale(loss).backward()
                 loss_sum += loss.detach()

@@ -93,7 +93,7 @@ def evaluate(model, batches, n_batches, device, amp, dist_info):
     for i in range(dist_info.rank, n_batches, dist_info.world_size):  # rank r takes batches r, r+N, ...
         x, y = batches.get(i, 0, device)
         with devices.autocast(device, amp):
-            _, loss = model(x, y)
+            loss = model(x, y)[1]
         total += loss.float()
     model.train()
     return distributed.all_reduce_sum(total, dist_info).item() / n_batches
@@ -184,6 +184,7 @@ def run(args):
     raw_model = gpt.GPT(cfg)
     if state_dict is not None:
         raw_model.load_state_dict(state_dict)
+        del state_dict  # the model holds its own copy now
     raw_model.to(device)
     model = torch.compile(raw_model) if args.compile else raw_model
     if dist_info.enabled:
@@ -235,7 +236,7 @@ def run(args):
                 sync = model.no_sync() if dist_info.enabled and micro < args.grad_accum - 1 else contextlib.nullcontext()
                 with sync:
                     with devices.autocast(device, amp):
-                        _, loss = model(x, y)
+                        loss = model(x, y)[1]  # drop the logits now: holding them costs B x T x vocab floats
                     loss = loss / args.grad_accum  # so the accumulated gradient is the batch mean
                     scaler.scale(loss).backward()
                 loss_sum += loss.detach()

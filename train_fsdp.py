@@ -359,7 +359,7 @@ def run(args):
         dist.all_gather_object(counts, sum(local(p).numel() for p in sharded.parameters()))
         unsharded = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type,
                                                  mp_dtype is not None, checkpointing=args.activation_checkpointing)
-        log(f"parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
+        log("parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
             + f" (of {n_params:,}; {n_params / world:,.0f} = 1/{world} each)")
         log(memory.format_columns({f"FSDP2, 1 of {world}": estimate, "DDP / unsharded": unsharded},
                                   f"memory estimate per rank (lib/memory.py, batch {args.batch_size} x {block_size}, "
@@ -436,7 +436,7 @@ def run(args):
                 # Reduce-scatter only after the last micro-batch; until then each rank adds into unsharded
                 # gradients (memory for the whole model's gradients, but one reduce-scatter per step).
                 model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-                _, loss = model(x, y)
+                loss = model(x, y)[1]  # drop the logits now: holding them costs B x T x vocab floats
                 loss = loss / args.grad_accum  # so the accumulated gradient is the batch mean
                 loss.backward()
                 loss_sum += loss.detach()
