@@ -161,8 +161,11 @@ def all_reduce_mean(t, world):
     return t
 
 
-def cleanup_distributed(world):
+def cleanup_distributed(world, wait=True):
+    # Let every rank arrive first: a gloo rank tearing down while a peer still works can abort the job.
     if world > 1 and dist.is_initialized():
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
 
 
@@ -671,7 +674,7 @@ def run(args):
         if rank == 0:
             save_checkpoint(args.out_dir, raw_model, optimizer, next_step, args)
             print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        cleanup_distributed(world)
+        cleanup_distributed(world, wait=False)
         sys.exit(130)
     step = next_step
 

@@ -276,7 +276,7 @@ def run(args):
         if dist_info.is_main:
             save(args.out_dir, raw_model, optimizer, next_step, args)
             print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        distributed.cleanup(dist_info)
+        distributed.cleanup(dist_info, wait=False)  # a rank that was not interrupted must not hang us
         sys.exit(130)
     step = next_step
 

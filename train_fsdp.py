@@ -508,6 +508,7 @@ def run(args):
     tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
     metrics_log.log(event="end", step=step, val_loss=val_loss, peak_memory=peak, memory_per_rank=ranks,
                     tokens_per_s=tokens_per_s, memory_estimate=sum(estimate.values()))
+    dist.barrier()  # leave together: a gloo rank tearing down while rank 0 still writes can abort the job
     return {"val_loss": val_loss, "first_val_loss": first_val, "peak_memory": peak, "memory_per_rank": ranks,
             "params_per_rank": params_per_rank, "tokens_per_s": tokens_per_s, "world_size": world,
             "memory_estimate": estimate}

@@ -61,6 +61,10 @@ def barrier(info: DistInfo):
         dist.barrier()
 
 
-def cleanup(info: DistInfo):
+def cleanup(info: DistInfo, wait: bool = True):
+    """Leave the process group. wait: first let every rank arrive, because a gloo rank that tears
+    down while a peer is still busy (rank 0 saving, say) can abort the whole job at exit."""
     if info.enabled and dist.is_initialized():
+        if wait:
+            dist.barrier()
         dist.destroy_process_group()
