@@ -1,21 +1,18 @@
 """DDP for real: torchrun --nproc_per_node=2 on CPU (gloo) against one process with the same global batch."""
 
 import os
-import subprocess
-import sys
 
 import pytest
 
 import train
-from tests.conftest import ROOT, TINY, step_losses, val_losses
+from tests import conftest
+from tests.conftest import TINY, step_losses, val_losses
 
 pytestmark = pytest.mark.multiprocess
 
 
 def torchrun(script, args, env_cache):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "BYHAND_CACHE": env_cache}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *args]
-    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=240)
+    res = conftest.torchrun([script, *args], env={"BYHAND_CACHE": env_cache})
     assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-4000:]
     return res
 

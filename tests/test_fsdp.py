@@ -6,6 +6,7 @@ The multi-process tests launch `torchrun --nproc_per_node=2` (gloo, CPU) in a su
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -17,6 +18,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
 import train
+from tests import conftest
 import train_fsdp
 from lib import checkpoint, gpt
 from lib import device as devices
@@ -30,9 +32,7 @@ TIMEOUT = 150
 
 
 def torchrun(script, args, timeout=TIMEOUT):
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", script, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return conftest.torchrun([script, *args], timeout=timeout)
 
 
 def check(proc):
@@ -78,7 +78,12 @@ def runs(tmp_path_factory, data_flags):
         out, err = fsdp.communicate(timeout=TIMEOUT)
     finally:
         fsdp.kill()
-    assert fsdp.returncode == 0, out[-3000:] + err[-3000:]
+    returncode = fsdp.returncode
+    if returncode != 0 and "SIGABRT" in err:  # the rare gloo teardown abort: see conftest.torchrun
+        shutil.rmtree(fsdp_dir)
+        proc = conftest.torchrun(cmd[5:], timeout=TIMEOUT)  # cmd[5:]: what follows --nproc_per_node=2
+        returncode, out, err = proc.returncode, proc.stdout, proc.stderr
+    assert returncode == 0, out[-3000:] + err[-3000:]
     return str(fsdp_dir), str(ref_dir), out
 
 

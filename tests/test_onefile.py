@@ -6,8 +6,6 @@ weights must agree, and onefile's checkpoint must load with lib/ and resume exac
 import argparse
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -15,6 +13,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import onefile_train
+from tests import conftest
 import train
 from lib import checkpoint, gpt
 
@@ -191,10 +190,8 @@ def test_user_mistakes_exit_2_with_one_line(case, env, tmp_path, capsys):
 def test_torchrun_two_ranks_match_one_process(runs, env):
     # 2 ranks x grad-accum 1 read the same windows as 1 process x grad-accum 2 (see onefile_train.Batches).
     out = str(env["dir"] / "ddp")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "onefile_train.py"), *env["common"], "--out-dir", out, "--grad-accum", "1"]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True,
-                          timeout=240)
+    proc = conftest.torchrun([os.path.join(ROOT, "onefile_train.py"), *env["common"], "--out-dir", out,
+                              "--grad-accum", "1"])
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "x 2 ranks" in proc.stdout
     single, ddp = losses(runs["onefile"]), losses(out)
