@@ -20,6 +20,7 @@ docs/qlora_explained.md; the code path: docs/qlora_code_walkthrough.md.
 import argparse
 import math
 import os
+import signal
 import sys
 import time
 
@@ -187,7 +188,10 @@ def run(args):
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
     flops_per_step = finetune.flops_per_token(n_total, n_lora, cfg.n_layer, cfg.n_embd, block_size) * tokens_per_step
     speed = metrics.Throughput(args.steps, start_step)
-    step, last_saved = start_step, start_step
+    # next_step moves only once optimizer.step() has run: an interrupt anywhere in a step saves a
+    # state that --resume continues without repeating or skipping an update.
+    step = next_step = start_step
+    last_saved = start_step
     val_loss = None
     try:
         for step in range(start_step, args.steps):
@@ -215,6 +219,7 @@ def run(args):
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or float("inf")).item()
             scaler.step(optimizer)
+            next_step = step + 1
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             speed.add(tokens_per_step)
@@ -236,9 +241,9 @@ def run(args):
                 last_saved = step + 1
         step = max(args.steps, start_step)
     except KeyboardInterrupt:
-        # The interrupted step never reached optimizer.step(), so `step` is the next one to run.
-        finetune.save(args.out_dir, model, optimizer, step, model_dir, settings, first_val, amp, args)
-        print(f"\ninterrupted: saved step {step} to {args.out_dir}; continue with --resume", file=sys.stderr)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
+        finetune.save(args.out_dir, model, optimizer, next_step, model_dir, settings, first_val, amp, args)
+        print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
         sys.exit(130)
 
     # --- save -------------------------------------------------------------------------------------
