@@ -181,9 +181,7 @@ def run(args):
                 mfu = flops_per_step / sec_per_step / peak_flops if peak_flops else None
                 mem = devices.peak_memory_bytes(device)
                 record.update(tokens_per_s=round(tok_s), mfu=mfu, peak_memory=mem)
-                log(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tok_s:8,.0f} tok/s | "
-                    f"MFU {f'{mfu:.1%}' if mfu is not None else 'n/a'} | mem {metrics.format_bytes(mem)} | "
-                    f"ETA {metrics.format_seconds(eta)}")
+                log(metrics.progress_line(step, args.steps, loss_value, lr, tok_s, mfu, mem, eta))
             metrics_log.log(**record)
 
             if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:

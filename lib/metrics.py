@@ -67,6 +67,14 @@ def format_seconds(s: float) -> str:
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
 
+def progress_line(step: int, total: int, loss: float, lr: float, tok_s: float, mfu, mem: int, eta: float,
+                  mem_note: str = "") -> str:
+    """The line every training script prints every --log-interval steps."""
+    mfu_text = f"{mfu:.1%}" if mfu is not None else "n/a"
+    return (f"step {step:5d}/{total} | loss {loss:.4f} | lr {lr:.2e} | {tok_s:8,.0f} tok/s | MFU {mfu_text} | "
+            f"mem {format_bytes(mem)}{mem_note} | ETA {format_seconds(eta)}")
+
+
 class MetricsLog:
     """Appends one JSON object per line to OUT/metrics.jsonl (only on the main rank).
 
