@@ -14,6 +14,7 @@ from safetensors.torch import load_file
 
 import onefile_train
 from tests import conftest
+from tests.conftest import read_metrics as records, step_losses as losses, val_losses
 import train
 from lib import checkpoint, gpt
 
@@ -49,19 +50,6 @@ def run(script, env, out, *extra):
     out_dir = str(env["dir"] / out)
     script.main(env["common"] + ["--out-dir", out_dir, *extra])
     return out_dir
-
-
-def records(out_dir):
-    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f]
-
-
-def losses(out_dir):
-    return {r["step"]: r["loss"] for r in records(out_dir) if "loss" in r}
-
-
-def val_losses(out_dir):
-    return [(r["step"], r["val_loss"]) for r in records(out_dir) if "val_loss" in r and "event" not in r]
 
 
 @pytest.fixture(scope="module")
