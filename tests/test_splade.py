@@ -1,0 +1,368 @@
+"""train_splade_unified.py and train_splade_optimized.py: the SPLADE arithmetic on hand-computed tensors,
+GradCache against the full batch, every bad-data error, exact resume, tiny end-to-end runs, search."""
+
+import json
+import math
+import os
+import shutil
+
+import pytest
+import torch
+
+import train_splade_optimized as optimized
+import train_splade_unified as unified
+from lib import bert
+from lib.errors import UserError
+
+# A tiny model: 2 layers, 64 wide, vocabulary learned up to 400 entries.
+TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400", "--max-length", "32",
+        "--max-query-length", "16", "--eval-batch-size", "64", "--log-interval", "1", "--device", "cpu"]
+
+
+# --- the SPLADE pieces, by hand -------------------------------------------------------------------
+def test_splade_max_by_hand():
+    # one text, 3 positions (the last is padding), vocabulary of 2
+    logits = torch.tensor([[[1.0, -2.0], [3.0, -1.0], [9.0, 9.0]]])
+    mask = torch.tensor([[1, 1, 0]])
+    w = unified.splade_max(logits, mask)
+    # term 0: max(log(1+1), log(1+3)) = log 4; term 1: both logits negative -> ReLU 0 -> log 1 = 0;
+    # the padding position's 9s never count.
+    assert torch.allclose(w, torch.tensor([[math.log(4.0), 0.0]]))
+
+
+def test_splade_max_gradient_reaches_only_the_max_position():
+    logits = torch.tensor([[[1.0, 2.0], [3.0, -1.0]]], requires_grad=True)
+    unified.splade_max(logits, torch.ones(1, 2)).sum().backward()
+    # d/dx log(1 + x) = 1 / (1 + x): term 0 at position 1 (x=3) gets 1/4, term 1 at position 0 (x=2) 1/3
+    assert torch.allclose(logits.grad, torch.tensor([[[0.0, 1 / 3], [0.25, 0.0]]]))
+
+
+def test_flops_by_hand():
+    reps = torch.tensor([[1.0, 0.0, 2.0], [3.0, 2.0, 0.0]])
+    # batch means per term: 2, 1, 1 -> 4 + 1 + 1
+    assert unified.flops(reps).item() == pytest.approx(6.0)
+
+
+def test_in_batch_cross_entropy_by_hand():
+    q = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    d = torch.tensor([[2.0, 0.0], [0.0, 1.0], [1.0, 1.0]])  # positives of q0, q1, then one hard negative
+    # scores: q0 -> [2, 0, 1] (positive 2), q1 -> [0, 1, 1] (positive 1)
+    loss0 = -math.log(math.exp(2) / (math.exp(2) + 1 + math.exp(1)))
+    loss1 = -math.log(math.exp(1) / (1 + 2 * math.exp(1)))
+    assert unified.ranking_loss(q, d).item() == pytest.approx((loss0 + loss1) / 2, rel=1e-6)
+    # the same with the documents in another order and the positives named
+    perm = torch.tensor([2, 0, 1])
+    assert unified.ranking_loss(q, d[perm], torch.tensor([1, 2])).item() == pytest.approx((loss0 + loss1) / 2, rel=1e-6)
+
+
+def test_lambda_warmup_is_quadratic():
+    assert unified.lambda_at(0, 1e-3, 100) == 0
+    assert unified.lambda_at(50, 1e-3, 100) == pytest.approx(0.25e-3)
+    assert unified.lambda_at(10, 1e-3, 100) == pytest.approx(1e-5)
+    assert unified.lambda_at(100, 1e-3, 100) == 1e-3
+    assert unified.lambda_at(5000, 1e-3, 100) == 1e-3
+    assert unified.lambda_at(0, 1e-3, 0) == 1e-3
+
+
+def test_retrieval_metrics_by_hand():
+    scores = torch.tensor([[0.9, 0.1, 0.5], [0.2, 0.3, 0.8]])
+    # query 0: relevant doc 0 ranks 1st; query 1: relevant doc 0 ranks 3rd
+    m = unified.retrieval_metrics(scores, torch.tensor([0, 0]))
+    assert m["mrr@10"] == pytest.approx((1 + 1 / 3) / 2)
+    assert m["recall@10"] == 1.0
+    assert m["ndcg@10"] == pytest.approx((1 + 1 / math.log2(4)) / 2)
+
+
+def test_inverted_index_scores_equal_dot_products():
+    torch.manual_seed(0)
+    docs = torch.relu(torch.randn(7, 30) - 0.8)  # mostly zeros
+    queries = torch.relu(torch.randn(3, 30) - 0.5)
+    index = unified.build_index(docs)
+    assert len(index["weights"]) == int((docs > 0).sum())
+    t = 5  # term 5's posting list: exactly the documents that use term 5
+    s, e = index["term_ptr"][t].item(), index["term_ptr"][t + 1].item()
+    assert index["doc_ids"][s:e].tolist() == docs[:, t].nonzero().flatten().tolist()
+    assert torch.allclose(unified.score(index, queries, len(docs)), queries @ docs.T, atol=1e-6)
+
+
+# --- GradCache equals the full batch --------------------------------------------------------------
+def tiny_model(dropout=0.0, vocab=50):
+    torch.manual_seed(0)
+    cfg = bert.BertConfig(vocab_size=vocab, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=128, max_position_embeddings=64, hidden_dropout_prob=dropout,
+                          attention_probs_dropout_prob=dropout)
+    return bert.init_weights(bert.build_model(cfg)).train()
+
+
+def random_batch(gen, n_queries, k, vocab=50):
+    def texts(n, lo, hi):
+        return [[2] + torch.randint(5, vocab, (int(torch.randint(lo, hi, (1,), generator=gen)),), generator=gen).tolist()
+                + [3] for _ in range(n)]
+    return texts(n_queries, 2, 6), texts(n_queries, 5, 12), texts(n_queries * k, 5, 12)
+
+
+def micro_batches(q, pos, neg, size, k):
+    out = []
+    for s in range(0, len(q), size):
+        out.append(unified.Batch(*unified.pad(q[s:s + size], 0), *unified.pad(pos[s:s + size] + neg[s * k:(s + size) * k], 0)))
+    return out
+
+
+def grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_gradcache_equals_the_full_batch():
+    gen = torch.Generator().manual_seed(1)
+    q, pos, neg = random_batch(gen, 8, 1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    model = tiny_model()
+    full = unified.naive_step(model, micro_batches(q, pos, neg, 8, 1), 1e-3, 2e-3, None, scaler)
+    g_full = grads(model)
+    model.zero_grad(set_to_none=True)
+    cached = optimized.gradcache_step(model, micro_batches(q, pos, neg, 2, 1), 1e-3, 2e-3, None, scaler)
+    g_cached = grads(model)
+    for key in ("loss", "rank_loss", "q_flops", "d_flops"):
+        assert cached[key] == pytest.approx(full[key], rel=1e-5, abs=1e-6)
+    assert g_full.keys() == g_cached.keys()
+    for name in g_full:
+        assert torch.allclose(g_cached[name], g_full[name], rtol=1e-5, atol=1e-6), name
+    # naive accumulation is a different objective: fewer negatives, another loss and gradient
+    model.zero_grad(set_to_none=True)
+    naive = unified.naive_step(model, micro_batches(q, pos, neg, 2, 1), 1e-3, 2e-3, None, scaler)
+    assert naive["rank_loss"] < full["rank_loss"] - 0.1
+
+
+def test_gradcache_replays_dropout():
+    """With dropout on, GradCache must give the gradient of the very forward pass it cached: the same as
+    encoding the micro-batches with a graph, in order, from the same RNG state, and one backward."""
+    gen = torch.Generator().manual_seed(2)
+    q, pos, neg = random_batch(gen, 6, 1)
+    mbs = micro_batches(q, pos, neg, 2, 1)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
+    model = tiny_model(dropout=0.3)
+    torch.manual_seed(123)
+    cached = optimized.gradcache_step(model, mbs, 1e-3, 1e-3, None, scaler)
+    g_cached, after_cached = grads(model), torch.get_rng_state()
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(123)
+    qs, ds, positives, offset = [], [], [], 0
+    for mb in mbs:
+        qs.append(unified.encode_batch(model, mb.q_ids, mb.q_mask))
+        ds.append(unified.encode_batch(model, mb.d_ids, mb.d_mask))
+        positives.append(torch.arange(len(qs[-1])) + offset)
+        offset += len(ds[-1])
+    loss, _ = unified.splade_loss(torch.cat(qs), torch.cat(ds), 1e-3, 1e-3, torch.cat(positives))
+    loss.backward()
+    assert cached["loss"] == pytest.approx(loss.item(), rel=1e-5)
+    for name, g in grads(model).items():
+        assert torch.allclose(g_cached[name], g, rtol=1e-5, atol=1e-6), name
+    assert torch.equal(after_cached, torch.get_rng_state())  # the RNG ends where one pass would leave it
+
+
+# --- data and its errors ----------------------------------------------------------------------------
+def write(path, text):
+    path.write_text(text, encoding="utf-8")
+    return str(path)
+
+
+def test_reads_json_list_and_jsonl(tmp_path):
+    rec = [{"query": "q one", "positive_document": "doc one", "negative_documents": ["n1", {"document": "n2"}], "x": 1}]
+    a = unified.read_examples(write(tmp_path / "a.json", json.dumps(rec, indent=2)), "--train-file", 1)
+    b = unified.read_examples(write(tmp_path / "b.jsonl", "\n".join(json.dumps(r) for r in rec * 2) + "\n"), "--train-file", 1)
+    assert a[0] == unified.Example("q one", "doc one", ["n1", "n2"])
+    assert b == a * 2
+
+
+GOOD = '{"query": "q", "positive_document": "d", "negative_documents": ["n"]}'
+BAD_DATA = [
+    ("", ["is empty"]),
+    ('[\n  {"query": "q",\n   "positive_document": }\n]', ["invalid JSON", "line 3, column"]),
+    (f"{GOOD}\n{{bad\n", ["invalid JSON", "line 2"]),
+    ('{"query": "q", "positive_document": "d"}', []),  # a single object is JSONL with one record: fine
+    ('"just a string"', ["top level", "not a list"]),
+    ("[]", ["holds no records"]),
+    (f'[{GOOD}, 3]', ["record 1", "is a JSON int", "expected an object"]),
+    (f'[{GOOD},\n {{"positive_document": "d", "negative_documents": ["n"]}}]', ["record 1 (line 2)", "'query'"]),
+    ('[{"query": 5, "positive_document": "d", "negative_documents": ["n"]}]', ["record 0", "'query'", "JSON int", "non-empty string"]),
+    ('[{"query": "q", "positive_document": "  ", "negative_documents": ["n"]}]', ["'positive_document'", "empty string"]),
+    ('[{"query": "q", "positive_document": "d", "negative_documents": "n"}]', ["'negative_documents'", "JSON str", "list"]),
+    ('[{"query": "q", "positive_document": "d", "negative_documents": ["n", 7]}]', ["'negative_documents[1]'", "JSON int"]),
+    ('[{"query": "q", "positive_document": "d", "negative_documents": [{"doc": "n"}]}]', ["'negative_documents[0]'", "without 'document'"]),
+    ('[{"query": "q", "positive_document": "d", "negative_documents": []}]', ["record 0", "no negatives", "--negatives-per-query 0"]),
+    ('[{"query": "q", "positive_document": "d"}]', ["record 0", "no negatives"]),
+    (f"[{GOOD}] trailing", ["unexpected text after the list"]),
+    (f"[{GOOD} {GOOD}]", ["expected ',' or ']'", "line 1"]),
+]
+
+
+@pytest.mark.parametrize("text,expected", BAD_DATA)
+def test_each_bad_data_error_is_one_line(tmp_path, capsys, text, expected):
+    path = write(tmp_path / "train.json", text)
+    if not expected:
+        assert len(unified.read_examples(path, "--train-file", 0)) == 1
+        return
+    with pytest.raises(SystemExit) as e:
+        unified.main(["--train-file", path, "--out-dir", str(tmp_path / "out"), *TINY])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and err.startswith("error: ") and path in err, err
+    for piece in expected:
+        assert piece in err, (piece, err)
+    assert not os.path.exists(tmp_path / "out" / "model.safetensors")
+
+
+def test_not_utf8_and_missing_file(tmp_path, capsys):
+    bad = tmp_path / "latin1.json"
+    bad.write_bytes(b'[{"query": "caf\xe9"}]')
+    for path, piece in ((str(bad), "not UTF-8"), (str(tmp_path / "nope.json"), "does not exist")):
+        with pytest.raises(SystemExit):
+            unified.main(["--train-file", path, "--out-dir", str(tmp_path / "out"), *TINY])
+        assert piece in capsys.readouterr().err
+
+
+# --- tiny end-to-end runs -----------------------------------------------------------------------------
+# A retrieval task a 2-layer model can learn in a few dozen steps: each document is a handful of
+# "topic" words; its query repeats two of them among filler words every query shares.
+def synthetic(n, seed):
+    import random
+
+    rng = random.Random(seed)
+    topics = [f"w{i}" for i in range(120)]
+    filler = ["find", "the", "code", "that", "does", "about", "with"]
+    records = []
+    for i in range(n):
+        words = rng.sample(topics, 6)
+        doc = " ".join(words + rng.sample(filler, 3))
+        query = " ".join(rng.sample(filler, 3) + words[:2])
+        negs = [" ".join(rng.sample(topics, 4) + words[:1] + rng.sample(filler, 2))]
+        records.append({"query": query, "positive_document": doc, "negative_documents": negs})
+    return records
+
+
+@pytest.fixture(scope="module")
+def data_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("splade-data")
+    (d / "train.json").write_text(json.dumps(synthetic(192, 0)))
+    (d / "val.jsonl").write_text("\n".join(json.dumps(r) for r in synthetic(48, 1)))
+    return str(d / "train.json"), str(d / "val.jsonl")
+
+
+def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, data_files, capsys):
+    train, val = data_files
+    out = str(tmp_path / "run")
+    result = unified.main(["--train-file", train, "--val-file", val, "--out-dir", out, "--epochs", "3",
+                           "--batch-size", "16", *TINY])
+    assert result["final"]["mrr@10"] > result["first"]["mrr@10"] + 0.1, (result["first"], result["final"])
+    for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json", "training_state.pt",
+                 "metrics.jsonl", unified.INDEX_FILE, unified.DOCUMENTS_FILE, "best/model.safetensors"):
+        assert os.path.isfile(os.path.join(out, name)), name
+    assert json.load(open(os.path.join(out, "config.json")))["architectures"] == ["BertForMaskedLM"]
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    steps = [r for r in records if "rank_loss" in r]
+    assert {"loss", "rank_loss", "q_flops", "d_flops", "q_terms", "d_terms"} <= steps[0].keys()
+    assert len([r for r in records if "val" in r and "event" not in r]) == 4  # before training + 3 epochs
+
+    # the Python API and the search CLI on the saved run
+    model, tok = unified.load_splade(out)
+    docs = json.load(open(os.path.join(out, unified.DOCUMENTS_FILE)))
+    reps = unified.encode(model, tok, docs[:3], max_length=32)
+    assert reps.shape == (3, tok.vocab_size) and (reps >= 0).all()
+    capsys.readouterr()
+    query = synthetic(48, 1)[5]
+    found = unified.main(["--search", out, "--query", query["query"], "--top-k", "5", "--max-query-length", "16"])
+    text = capsys.readouterr().out
+    assert "top terms" in text and "top 5 of" in text
+    assert docs.index(query["positive_document"]) in [i for i, _ in found["results"]]
+
+    # a second fresh run into the same directory is refused; --overwrite replaces it
+    with pytest.raises(SystemExit) as e:
+        unified.main(["--train-file", train, "--out-dir", out, *TINY])
+    assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
+
+
+def test_optimized_end_to_end_with_gradcache(tmp_path, data_files, capsys):
+    train, val = data_files
+    out = str(tmp_path / "opt")
+    result = optimized.main(["--train-file", train, "--val-file", val, "--out-dir", out, "--epochs", "3",
+                             "--batch-size", "4", "--gradient-accumulation-steps", "4", "--memory-efficient",
+                             "--memory-tracking", "--memory-tracking-interval", "2", "--index", "none", *TINY])
+    assert result["final"]["mrr@10"] > result["first"]["mrr@10"] + 0.1, (result["first"], result["final"])
+    records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    tracked = [r for r in records if "rss" in r]
+    assert tracked and all(r["rss"] > 0 for r in tracked) and tracked[0]["step"] == 0
+    assert "rss" in capsys.readouterr().out
+
+
+def test_resume_is_exact(tmp_path, data_files):
+    train, _ = data_files
+    common = ["--train-file", train, "--steps", "6", "--batch-size", "8", *TINY]
+    straight = unified.main([*common, "--out-dir", str(tmp_path / "a")])
+
+    def interrupt(step, record):
+        if step == 2:
+            raise KeyboardInterrupt
+
+    parser = unified.build_parser()
+    argv = [*common, "--out-dir", str(tmp_path / "b")]
+    with pytest.raises(SystemExit) as e:
+        unified.run(parser.parse_args(argv), parser, argv, unified.Variant(after_step=interrupt))
+    assert e.value.code == 130
+    resumed = unified.main([*common, "--out-dir", str(tmp_path / "b"), "--resume"])
+
+    def losses(d):
+        return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "rank_loss" in r}
+    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
+    assert sorted(b) == list(range(6)) and all(a[s] == b[s] for s in range(6)), (a, b)
+    for (name, p), q in zip(straight["model"].state_dict().items(), resumed["model"].state_dict().values()):
+        assert torch.equal(p, q), name
+
+
+def test_resume_refuses_a_contradicting_flag(tmp_path, data_files, capsys):
+    train, _ = data_files
+    out = str(tmp_path / "r")
+    unified.main(["--train-file", train, "--steps", "1", "--batch-size", "8", "--out-dir", out, "--index", "none", *TINY])
+    with pytest.raises(SystemExit):
+        unified.main(["--train-file", train, "--steps", "2", "--batch-size", "4", "--out-dir", out, "--resume", *TINY])
+    assert "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
+
+
+# --- flags ----------------------------------------------------------------------------------------
+def test_force_device(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("CUDA is available here")
+    assert optimized.choose_device("cuda", force=False) == optimized.devices.pick_device(None)
+    assert "not available" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--force-device"):
+        optimized.choose_device("cuda", force=True)
+    assert optimized.choose_device("cpu", force=True) == torch.device("cpu")
+
+
+def test_mixed_precision_refused_on_cpu(tmp_path, data_files, capsys):
+    with pytest.raises(SystemExit) as e:
+        optimized.main(["--train-file", data_files[0], "--out-dir", str(tmp_path / "m"), "--mixed-precision", *TINY])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "--mixed-precision" in err and "CPU" in err
+
+
+def test_estimate_memory_flags(capsys):
+    base = ["--estimate-memory", "--batch-size", "64", "--device", "cpu"]
+    plain = unified.main(base)["estimate"]
+    cached = optimized.main(["--estimate-memory", "--batch-size", "8", "--gradient-accumulation-steps", "8",
+                             "--device", "cpu"])["estimate"]
+    efficient = optimized.main([*base, "--memory-efficient"])["estimate"]
+    assert sum(cached.values()) < sum(plain.values()) / 2
+    assert efficient["encoder activations"] < plain["encoder activations"]
+    assert "total (predicted peak)" in capsys.readouterr().out
+
+
+def test_stdlib_default_set_is_split_by_module():
+    files = [f for f in unified.stdlib_data.stdlib_files() if f.startswith(("json/", "email/", "http/"))]
+    train, val, pool = unified.stdlib_examples(files, n_train=1000, n_val=1000)
+    assert train and val
+    assert not {ex.query for ex in train} & {ex.query for ex in val}
+    assert all(ex.positive in pool for ex in val) and not set(pool) & {ex.positive for ex in train}
+    ex = train[0]
+    assert ex.positive.startswith(("def ", "async def ")) and '"""' not in ex.positive.split("\n")[1]
+    assert ex.negatives and ex.positive not in ex.negatives

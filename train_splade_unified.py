@@ -1,0 +1,958 @@
+"""Train a SPLADE sparse retriever: a BERT masked-LM whose vocabulary logits become weighted terms.
+
+    python train_splade_unified.py                                  # offline demo: stdlib docstring -> code, CPU, minutes
+    python train_splade_unified.py --train-file data/training.json --val-file data/val.json \\
+        --model-name naver/splade-cocondenser-ensembledistil --output-dir out/splade
+    python train_splade_unified.py --search out/splade --query "how do I parse a date"
+
+SPLADE turns a text into one weight per vocabulary entry: w_j = max over the text's tokens i of
+log(1 + ReLU(logit_ij)), where logit_ij is the masked-LM head's score for vocabulary entry j at
+position i. Most weights are zero, so a document is a short bag of weighted terms (including terms
+it does not contain: "expansion") and search is an inverted index, as in a classic search engine.
+Training is contrastive: each query must score its positive document above its hard negative(s)
+and every other document in the batch, while a FLOPS penalty keeps the vectors sparse.
+
+Read top to bottom: arguments, data, the SPLADE loss, encoding and search, validation, memory
+estimate, save, then run(): device, data, model, optimiser, training loop, save, report.
+train_splade_optimized.py imports this file and adds exact gradient accumulation (GradCache),
+device forcing, memory tracking, memory-efficient mode and mixed precision.
+
+From Python, once a run has saved OUT (or with any Hugging Face SPLADE checkpoint):
+
+    from train_splade_unified import load_splade, encode
+    model, tokenizer = load_splade("out/train_splade_unified")   # a directory or a hub id
+    tokenizer.encode("parse a date")                             # ids with [CLS] ... [SEP]
+    reps = encode(model, tokenizer, ["parse a date", "def parse(s): ..."], max_length=256)
+    reps.shape                                                   # [2, vocab_size], mostly zeros
+    (reps[0] @ reps[1]).item()                                   # the relevance score
+
+With no checkpoint (the offline default) the vocabulary (WordPiece, 8,192 entries) is learned from
+the training texts and a small BERT starts from random weights: a demonstration of the mechanics,
+not a competitive retriever. Explained with this repo's numbers in docs/splade_explained.md.
+"""
+
+import argparse
+import ast
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import signal
+import sys
+import textwrap
+import time
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from lib import bert, checkpoint, guards, hub, metrics, optim, wordpiece
+from lib import data as stdlib_data
+from lib import device as devices
+from lib.errors import UserError, report_and_exit
+
+OUT_DIR = "out/train_splade_unified"
+METRICS = ("mrr@10", "recall@10", "recall@100", "ndcg@10")
+INDEX_FILE, DOCUMENTS_FILE = "index.safetensors", "documents.json"
+# The embedded default: how many docstring -> code pairs, and how much of each function is kept.
+STDLIB_TRAIN, STDLIB_VAL, STDLIB_MAX_LINES, STDLIB_VAL_PERCENT = 2400, 400, 24, 20
+
+
+# --- arguments ----------------------------------------------------------------------------------
+def build_parser(description=None, out_dir=OUT_DIR):
+    p = argparse.ArgumentParser(
+        description=description or "Train a SPLADE sparse retriever (BERT masked-LM + FLOPS), or search with one.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        conflict_handler="resolve",  # train_splade_optimized.py redefines --grad-accum
+    )
+    g = p.add_argument_group("data")
+    g.add_argument("--train-file", help="JSON list or JSONL of {query, positive_document, negative_documents} "
+                   "(default: docstring -> code pairs from the running Python's standard library)")
+    g.add_argument("--val-file", help="same format; its documents form the retrieval pool for MRR@10 and recall "
+                   "(default: the stdlib set's held-out modules, or none with --train-file)")
+    g.add_argument("--max-length", type=guards.positive_int, default=128, help="documents are cut to this many tokens")
+    g.add_argument("--max-query-length", type=guards.positive_int, default=32, help="queries are cut to this many tokens")
+    g.add_argument("--negatives-per-query", type=guards.nonneg_int, default=1,
+                   help="hard negatives drawn per query and step from its negative_documents (0: in-batch only)")
+    g = p.add_argument_group("model")
+    g.add_argument("--model-name", "--init-from", dest="model_name",
+                   help="a Hugging Face BERT/DistilBERT masked-LM (local directory or hub id, e.g. naver/splade_v2_distil); "
+                   "default: learn a WordPiece vocabulary and train a small BERT from scratch")
+    g.add_argument("--cache-dir", default=stdlib_data.default_cache_dir(), help="where hub downloads are kept")
+    g.add_argument("--vocab-size", type=guards.positive_int, default=8192, help="from scratch: WordPiece entries to learn")
+    g.add_argument("--hidden-size", type=guards.positive_int, default=128, help="from scratch: model width")
+    g.add_argument("--num-layers", type=guards.positive_int, default=2, help="from scratch: transformer layers")
+    g.add_argument("--num-heads", type=guards.positive_int, default=2, help="from scratch: attention heads")
+    g.add_argument("--dropout", type=guards.probability, help="dropout inside the encoder (default: the checkpoint's; 0.1 from scratch)")
+    g = p.add_argument_group("optimisation")
+    g.add_argument("--learning-rate", "--lr", dest="lr", type=guards.positive_float,
+                   help="peak learning rate (default: 5e-5 for a checkpoint, 1e-3 from scratch)")
+    g.add_argument("--batch-size", type=guards.positive_int, default=16, help="queries per micro-batch")
+    g.add_argument("--grad-accum", type=guards.positive_int, default=1,
+                   help="micro-batches per update, accumulated naively (each micro-batch sees only its own in-batch "
+                   "negatives, as the original trainer did; train_splade_optimized.py accumulates exactly)")
+    g.add_argument("--epochs", type=guards.positive_int, default=2, help="passes over the training set")
+    g.add_argument("--steps", type=guards.nonneg_int, help="a step budget instead of --epochs")
+    g.add_argument("--warmup-steps", type=guards.nonneg_int, default=30, help="linear learning-rate warmup")
+    g.add_argument("--weight-decay", type=guards.nonneg_float, default=0.01, help="AdamW weight decay")
+    g.add_argument("--grad-clip", type=guards.nonneg_float, default=1.0, help="clip the gradient norm (0: off)")
+    g.add_argument("--lambda-q", type=guards.nonneg_float, default=3e-4, help="FLOPS weight on the queries")
+    g.add_argument("--lambda-d", type=guards.nonneg_float, default=1e-4, help="FLOPS weight on the documents")
+    g.add_argument("--reg-warmup-steps", type=guards.nonneg_int, default=100,
+                   help="the lambdas grow quadratically from 0 to their value over this many steps")
+    g = p.add_argument_group("validation and early stopping")
+    g.add_argument("--early-stopping", action="store_true", help="stop when the monitored metric stops improving")
+    g.add_argument("--early-stopping-patience", type=guards.positive_int, default=3,
+                   help="validations without improvement before stopping")
+    g.add_argument("--early-stopping-min-delta", type=guards.nonneg_float, default=1e-4, help="smallest improvement that counts")
+    g.add_argument("--early-stopping-monitor", default="mrr@10", choices=METRICS,
+                   help="validation metric for early stopping and the best model")
+    g.add_argument("--save-best-only", action="store_true",
+                   help="OUT keeps only the best validated model (a later, worse epoch is not saved)")
+    g.add_argument("--eval-batch-size", type=guards.positive_int, default=64, help="texts per batch when encoding")
+    g = p.add_argument_group("run")
+    g.add_argument("--device", choices=["cuda", "mps", "cpu"], help="default: cuda, then mps, then cpu")
+    g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
+    g.add_argument("--seed", type=int, default=42, help="seeds weights, data order, negatives and dropout")
+    g.add_argument("--output-dir", "--out-dir", dest="out_dir", default=out_dir,
+                   help="the model (Hugging Face masked-LM layout), training state, metrics.jsonl and search index")
+    g.add_argument("--resume", action="store_true", help="continue the run saved in --output-dir")
+    g.add_argument("--save-interval", type=guards.nonneg_int, default=0,
+                   help="also save every N steps (0: at the end of each epoch only)")
+    g.add_argument("--log-interval", type=guards.positive_int, default=10, help="steps between progress lines")
+    g.add_argument("--index", default="all", choices=["all", "val", "none"],
+                   help="documents put into the saved search index at the end: train + val, val only, or no index")
+    g.add_argument("--estimate-memory", action="store_true", help="print the predicted memory breakdown and exit")
+    guards.add_safety_flags(p)
+    g = p.add_argument_group("search (no training)")
+    g.add_argument("--search", metavar="DIR", help="a saved run: encode --query and search its index")
+    g.add_argument("--query", help="the text to search for, with --search")
+    g.add_argument("--top-k", type=guards.positive_int, default=10, help="documents to print")
+    return p
+
+
+def main(argv=None):
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.search or args.query:
+            return search_cli(args)
+        return run(args, parser, argv)
+    except UserError as e:
+        report_and_exit(e)
+
+
+# --- data ---------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Example:
+    query: str
+    positive: str
+    negatives: list  # of str
+
+
+def _line_col(text, pos):
+    line = text.count("\n", 0, pos) + 1
+    return line, pos - (text.rfind("\n", 0, pos) + 1) + 1
+
+
+def _json_records(path, text):
+    """[(record, line)] from a JSON list or JSONL, with the line each record starts on."""
+    dec = json.JSONDecoder()
+    where = f"; fix the JSON in {path}"
+
+    def decode(pos):
+        try:
+            return dec.raw_decode(text, pos)
+        except json.JSONDecodeError as e:
+            raise UserError(f"{path}: invalid JSON at line {e.lineno}, column {e.colno} ({e.msg}){where}") from None
+
+    def skip_ws(pos):
+        while pos < len(text) and text[pos] in " \t\r\n":
+            pos += 1
+        return pos
+
+    pos = skip_ws(0)
+    if pos == len(text):
+        raise UserError(f"{path} is empty; expected a JSON list (or JSONL) of "
+                        f"{{\"query\", \"positive_document\", \"negative_documents\"}} records")
+    records = []
+    if text[pos] == "[":  # a JSON list: walk it element by element to know where each record starts
+        pos = skip_ws(pos + 1)
+        if pos < len(text) and text[pos] == "]":
+            return records, skip_ws(pos + 1)
+        while True:
+            line = _line_col(text, pos)[0]
+            value, pos = decode(pos)
+            records.append((value, line))
+            pos = skip_ws(pos)
+            if pos < len(text) and text[pos] == ",":
+                pos = skip_ws(pos + 1)
+            elif pos < len(text) and text[pos] == "]":
+                return records, skip_ws(pos + 1)
+            else:
+                line, col = _line_col(text, pos)
+                raise UserError(f"{path}: invalid JSON at line {line}, column {col} (expected ',' or ']' after "
+                                f"record {len(records) - 1}){where}")
+    if text[pos] != "{":
+        line, col = _line_col(text, pos)
+        raise UserError(f"{path}: the top level at line {line}, column {col} is not a list; expected a JSON list "
+                        f"of records or one JSON object per line (JSONL)")
+    for lineno, raw in enumerate(text.splitlines(), 1):  # JSONL: one object per line
+        if not raw.strip():
+            continue
+        try:
+            records.append((json.loads(raw), lineno))
+        except json.JSONDecodeError as e:
+            hint = " (a single JSON object? the top level must be a list, or one object per line)" \
+                if lineno == 1 and raw.strip() == "{" else ""
+            raise UserError(f"{path}: invalid JSON at line {lineno}, column {e.colno} ({e.msg}){hint}{where}") from None
+    return records, len(text)
+
+
+def read_examples(path, flag, need_negatives):
+    """The original trainer's format -> [Example]; any problem is one UserError naming file, record, field."""
+    if not os.path.isfile(path):
+        raise UserError(f"{flag} {path} does not exist or is not a file; pass a JSON or JSONL file of training records")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise UserError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    records, end = _json_records(path, text)
+    if end < len(text):
+        line, col = _line_col(text, end)
+        raise UserError(f"{path}: unexpected text after the list at line {line}, column {col}; fix the JSON")
+    if not records:
+        raise UserError(f"{path} holds no records; expected at least one {{\"query\", \"positive_document\", "
+                        f"\"negative_documents\"}} record")
+    examples = []
+    for i, (rec, line) in enumerate(records):
+        at = f"{path}: record {i} (line {line})"
+        if not isinstance(rec, dict):
+            raise UserError(f"{at} is a JSON {type(rec).__name__}, expected an object with query, positive_document "
+                            f"and negative_documents")
+        for key in ("query", "positive_document"):
+            if key not in rec:
+                raise UserError(f"{at} has no field {key!r}; every record needs query, positive_document and "
+                                f"negative_documents")
+            if not isinstance(rec[key], str) or not rec[key].strip():
+                got = "an empty string" if isinstance(rec[key], str) else f"a JSON {type(rec[key]).__name__}"
+                raise UserError(f"{at}, field {key!r}: {got}, expected a non-empty string")
+        negs = rec.get("negative_documents", [])
+        if not isinstance(negs, list):
+            raise UserError(f"{at}, field 'negative_documents': a JSON {type(negs).__name__}, expected a list of "
+                            f"strings or of {{\"document\": string}} objects")
+        texts = []
+        for j, neg in enumerate(negs):
+            field = f"field 'negative_documents[{j}]'"
+            if isinstance(neg, dict):
+                if "document" not in neg:
+                    raise UserError(f"{at}, {field}: an object without 'document', expected a string or "
+                                    f"{{\"document\": string}}")
+                neg = neg["document"]
+                field = f"field 'negative_documents[{j}].document'"
+            if not isinstance(neg, str) or not neg.strip():
+                got = "an empty string" if isinstance(neg, str) else f"a JSON {type(neg).__name__}"
+                raise UserError(f"{at}, {field}: {got}, expected a non-empty string")
+            texts.append(neg)
+        if need_negatives and not texts:
+            raise UserError(f"{at}, field 'negative_documents': no negatives, but --negatives-per-query "
+                            f"{need_negatives} needs at least one per record; add some, or pass --negatives-per-query 0 "
+                            f"(in-batch negatives only)")
+        examples.append(Example(rec["query"], rec["positive_document"], texts))
+    return examples
+
+
+def _functions(rel_path, root):
+    """(first docstring line, source without the docstring) for each documented function in a stdlib file."""
+    try:
+        with open(os.path.join(root, rel_path), encoding="utf-8") as f:
+            source = f.read()
+        tree = ast.parse(source)
+    except (SyntaxError, UnicodeDecodeError, ValueError):
+        return []
+    lines = source.splitlines()
+    found = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("test"):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc or len(node.body) < 2 or node.decorator_list:
+            continue
+        query = doc.strip().splitlines()[0].strip()
+        if len(query.split()) < 4:
+            continue
+        first, doc_node = node.lineno - 1, node.body[0]
+        body = lines[first:doc_node.lineno - 1] + lines[doc_node.end_lineno:node.end_lineno]
+        code = textwrap.dedent("\n".join(body[:STDLIB_MAX_LINES])).strip()
+        found.append((query, code))
+    return found
+
+
+def stdlib_examples(files=None, n_train=STDLIB_TRAIN, n_val=STDLIB_VAL, n_hard=3):
+    """The embedded default set: docstring first line -> the function's code, from the running Python.
+
+    Split by module (a hash of its path), so no val query's module was seen in training. Negatives:
+    up to n_hard other functions of the same module (hard: same names, same style) and one from
+    elsewhere. Returns (train examples, val examples, val document pool).
+    """
+    root = stdlib_data.sysconfig.get_paths()["stdlib"]
+    files = stdlib_data.stdlib_files() if files is None else files
+    by_split = {"train": [], "val": []}
+    seen_queries = set()
+    # Visit modules in the order of a hash of their path (a fixed shuffle) and stop once both splits
+    # have enough: parsing the whole stdlib would take half a minute.
+    for rel in sorted(files, key=lambda rel: hashlib.sha1(rel.encode()).hexdigest()):
+        split = "val" if int(hashlib.sha1(rel.encode()).hexdigest()[:8], 16) % 100 < STDLIB_VAL_PERCENT else "train"
+        funcs = [(q, c) for q, c in _functions(rel, root) if q not in seen_queries]
+        seen_queries.update(q for q, _ in funcs)
+        by_split[split].append(funcs)
+        if all(sum(map(len, by_split[s])) >= n for s, n in (("train", n_train), ("val", 2 * n_val))):
+            break
+    rng = random.Random(0)
+    out = {}
+    for split, modules in by_split.items():
+        all_code = [c for funcs in modules for _, c in funcs]
+        examples = []
+        for funcs in modules:
+            for i, (query, code) in enumerate(funcs):
+                others = [c for j, (_, c) in enumerate(funcs) if j != i and c != code]
+                negatives = rng.sample(others, min(n_hard, len(others)))
+                negatives.append(rng.choice(all_code))
+                examples.append(Example(query, code, [n for n in negatives if n != code]))
+        rng.shuffle(examples)
+        out[split] = examples
+    val = out["val"][:n_val]
+    pool = sorted({c for funcs in by_split["val"] for _, c in funcs})  # every val-module function
+    return out["train"][:n_train], val, pool
+
+
+def val_pool(examples):
+    """The retrieval pool of a val file: every distinct document in it, positives and negatives."""
+    docs = {}
+    for ex in examples:
+        for text in [ex.positive, *ex.negatives]:
+            docs.setdefault(text, len(docs))
+    return list(docs)
+
+
+def pad(id_lists, pad_id):
+    """Right-pad token-id lists to the longest -> (input_ids [B, T], attention_mask [B, T])."""
+    width = max(len(ids) for ids in id_lists)
+    ids = torch.full((len(id_lists), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(id_lists), width), dtype=torch.long)
+    for i, row in enumerate(id_lists):
+        ids[i, :len(row)] = torch.tensor(row, dtype=torch.long)
+        mask[i, :len(row)] = 1
+    return ids, mask
+
+
+@dataclasses.dataclass
+class Batch:
+    """One micro-batch: B queries; documents = B positives, then each query's k negatives in query order."""
+    q_ids: torch.Tensor
+    q_mask: torch.Tensor
+    d_ids: torch.Tensor
+    d_mask: torch.Tensor
+
+
+def batch_for_step(examples, ids, step, steps_per_epoch, batch_size, grad_accum, k, seed, pad_id):
+    """The micro-batches of optimizer step `step`: a pure function of (seed, step), so --resume is exact.
+
+    Epoch e visits the examples in a shuffled order seeded by (seed, e); the negatives of example i
+    in epoch e are drawn by a generator seeded by (seed, e, i).
+    """
+    epoch, pos = divmod(step, steps_per_epoch)
+    order = list(range(len(examples)))
+    random.Random(f"{seed}-order-{epoch}").shuffle(order)
+    per_step = batch_size * grad_accum
+    chosen = order[pos * per_step:(pos + 1) * per_step]
+    micro = []
+    for m in range(grad_accum):
+        part = chosen[m * batch_size:(m + 1) * batch_size]
+        queries = [ids["q"][examples[i].query] for i in part]
+        positives = [ids["d"][examples[i].positive] for i in part]
+        negatives = []
+        for i in part:
+            rng, negs = random.Random(f"{seed}-neg-{epoch}-{i}"), examples[i].negatives
+            picked = (rng.sample(negs, k) if len(negs) >= k else rng.choices(negs, k=k)) if k and negs else []
+            negatives += [ids["d"][t] for t in picked]
+        micro.append(Batch(*pad(queries, pad_id), *pad(positives + negatives, pad_id)))
+    return micro
+
+
+# --- the SPLADE loss ----------------------------------------------------------------------------
+def splade_max(logits, attention_mask):
+    """SPLADE-max: w_j = max over unmasked positions i of log(1 + ReLU(logit_ij)); [B, T, V] -> [B, V].
+
+    log(1 + ReLU(x)) never decreases as x grows, so the max can be taken over the raw logits first
+    and the activation applied to the [B, V] result: the same weights and gradients, without two
+    more [B, T, V] tensors kept for backward (the logits are by far the largest activation).
+    """
+    logits = logits.float().masked_fill(attention_mask.unsqueeze(-1) == 0, float("-inf"))
+    return torch.log1p(torch.relu(logits.amax(dim=1)))
+
+
+def flops(reps):
+    """naver/splade's FLOPS regulariser: sum over terms of (mean weight over the batch)^2.
+
+    The expected number of multiply-adds when a random query meets a random document is about
+    sum_j P(q_j != 0) P(d_j != 0); squaring the mean weight is its smooth stand-in, and it
+    punishes a term most when the whole batch uses it (a term in every posting list is expensive).
+    """
+    return (reps.mean(dim=0) ** 2).sum()
+
+
+def ranking_loss(q_reps, d_reps, positives=None):
+    """Cross-entropy over q . d for each query against every document in the batch.
+
+    Query i's positive is document positives[i] (default: document i); every other row (the other
+    queries' positives, every hard negative) is one of its negatives, so a batch of B queries with
+    k hard negatives each gives every query B(1 + k) - 1 negatives for the price of encoding
+    B(1 + k) documents once.
+    """
+    scores = q_reps @ d_reps.T  # [B, B(1 + k)]
+    if positives is None:
+        positives = torch.arange(len(q_reps), device=scores.device)
+    return F.cross_entropy(scores, positives)
+
+
+def lambda_at(step, lam, warmup_steps):
+    """Quadratic warm-up of a FLOPS weight: lam * (step / warmup)^2, then lam. Sparsity pressure from
+    step 0 would zero the weights before the ranking signal has shaped them."""
+    if warmup_steps == 0 or step >= warmup_steps:
+        return lam
+    return lam * (step / warmup_steps) ** 2
+
+
+def splade_loss(q_reps, d_reps, lam_q, lam_d, positives=None):
+    """Total loss and what is logged: rank loss + lam_q FLOPS(q) + lam_d FLOPS(d)."""
+    rank = ranking_loss(q_reps, d_reps, positives)
+    q_flops, d_flops = flops(q_reps), flops(d_reps)
+    loss = rank + lam_q * q_flops + lam_d * d_flops
+    stats = {"rank_loss": rank.detach(), "q_flops": q_flops.detach(), "d_flops": d_flops.detach(),
+             "q_terms": (q_reps > 0).sum(1).float().mean().detach(), "d_terms": (d_reps > 0).sum(1).float().mean().detach()}
+    return loss, stats
+
+
+def encode_batch(model, ids, mask, amp=None):
+    with devices.autocast(ids.device, amp):
+        logits = model(ids, attention_mask=mask)
+    return splade_max(logits, mask)
+
+
+def naive_step(model, micro_batches, lam_q, lam_d, amp, scaler):
+    """Forward, loss and backward for each micro-batch in turn (the original trainer's accumulation).
+
+    Each micro-batch's ranking loss only sees that micro-batch's documents, so with --grad-accum N
+    a query meets N times fewer negatives than in one batch of the same size (see
+    train_splade_optimized.py for the exact version). Returns the summed stats, as floats.
+    """
+    totals = {}
+    for mb in micro_batches:
+        q = encode_batch(model, mb.q_ids, mb.q_mask, amp)
+        d = encode_batch(model, mb.d_ids, mb.d_mask, amp)
+        loss, stats = splade_loss(q, d, lam_q, lam_d)
+        scaler.scale(loss / len(micro_batches)).backward()
+        for key, value in {"loss": loss.detach(), **stats}.items():
+            totals[key] = totals.get(key, 0.0) + value.item() / len(micro_batches)
+    return totals
+
+
+# --- encoding and search ------------------------------------------------------------------------
+@torch.no_grad()
+def encode(model, tokenizer, texts, max_length=256, batch_size=64, amp=None):
+    """SPLADE weights of each text: a float tensor [len(texts), vocab_size] on the CPU."""
+    was_training = model.training
+    model.eval()
+    device = next(model.parameters()).device
+    out = []
+    for start in range(0, len(texts), batch_size):
+        rows = [tokenizer.encode(t, max_length=max_length) for t in texts[start:start + batch_size]]
+        ids, mask = pad(rows, tokenizer.pad_id)
+        out.append(encode_batch(model, ids.to(device), mask.to(device), amp).float().cpu())
+    model.train(was_training)
+    return torch.cat(out) if out else torch.zeros(0, tokenizer.vocab_size)
+
+
+def load_model_and_tokenizer(name_or_dir, cache_dir=None, log=print):
+    """(model, cfg, tokenizer) from a BERT/DistilBERT masked-LM directory or hub id (lib/bert.py, lib/wordpiece.py)."""
+    model, cfg, model_dir = bert.load_pretrained(name_or_dir, cache_dir=cache_dir, log=log)
+    tokenizer = wordpiece.load_wordpiece(model_dir)
+    if tokenizer.vocab_size > cfg.vocab_size:
+        raise UserError(f"{model_dir}: vocab.txt has {tokenizer.vocab_size} entries but the model only "
+                        f"{cfg.vocab_size}; the tokenizer does not belong to this model")
+    return model, cfg, tokenizer
+
+
+def load_splade(name_or_dir, cache_dir=None):
+    """A SPLADE checkpoint (a directory, or a hub id downloaded with lib/hub.py) -> (model, tokenizer)."""
+    model, _, tokenizer = load_model_and_tokenizer(name_or_dir, cache_dir, log=lambda *a, **k: None)
+    return model.eval(), tokenizer
+
+
+def set_dropout(model, cfg, p):
+    """Change a loaded model's dropout (the checkpoint's config sets it at build time)."""
+    cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = p
+    for m in model.modules():
+        if isinstance(m, torch.nn.Dropout):
+            m.p = p
+        if hasattr(m, "attn_p"):
+            m.attn_p = p
+
+
+def build_index(doc_reps):
+    """The inverted index: for each term, the documents that use it and their weights.
+
+    Stored as a CSR matrix [vocab, n_docs] (term-major): term_ptr[t]:term_ptr[t + 1] is term t's
+    posting list in doc_ids / weights. A query touches only the posting lists of its own terms.
+    """
+    nz = doc_reps.nonzero()  # (doc, term) pairs, in doc order
+    docs, terms = nz[:, 0], nz[:, 1]
+    order = torch.argsort(terms * len(doc_reps) + docs)
+    counts = torch.bincount(terms, minlength=doc_reps.shape[1])
+    term_ptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
+    return {"term_ptr": term_ptr, "doc_ids": docs[order], "weights": doc_reps[docs, terms][order].float()}
+
+
+def score(index, q_reps, n_docs):
+    """q . d for every query and every indexed document, through the posting lists: [n_q, n_docs]."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "sparse CSR support is in beta"
+        inverted = torch.sparse_csr_tensor(index["term_ptr"], index["doc_ids"], index["weights"],
+                                           size=(len(index["term_ptr"]) - 1, n_docs))
+        return q_reps.float() @ inverted  # each query weight times its term's posting list, summed per document
+
+
+def save_index(out_dir, index, documents):
+    tensors = {k: v.contiguous() for k, v in index.items()}
+    meta = {"format": "byhand-splade-index-v1", "n_docs": str(len(documents))}
+    checkpoint.atomic_write(os.path.join(out_dir, INDEX_FILE), lambda tmp: save_file(tensors, tmp, metadata=meta))
+    checkpoint.atomic_write(os.path.join(out_dir, DOCUMENTS_FILE),
+                            lambda tmp: open(tmp, "w", encoding="utf-8").write(json.dumps(documents)))
+
+
+def load_index(out_dir):
+    path = os.path.join(out_dir, INDEX_FILE)
+    if not os.path.isfile(path):
+        raise UserError(f"--search {out_dir}: {INDEX_FILE} is missing; it is written at the end of a training run "
+                        f"(not with --index none)")
+    with safe_open(path, framework="pt") as f:
+        index = {k: f.get_tensor(k) for k in f.keys()}
+    with open(os.path.join(out_dir, DOCUMENTS_FILE), encoding="utf-8") as f:
+        documents = json.load(f)
+    return index, documents
+
+
+def search_cli(args):
+    """--search OUT --query TEXT: the query's top terms, then the top-k documents of OUT's index."""
+    if not (args.search and args.query):
+        raise UserError("--search and --query go together: --search OUT --query 'some text'")
+    if not os.path.isdir(args.search):
+        raise UserError(f"--search {args.search} is not a directory; pass the --output-dir of a training run")
+    index, documents = load_index(args.search)
+    model, tokenizer = load_splade(args.search)
+    q = encode(model, tokenizer, [args.query], args.max_query_length)[0]
+    if len(index["term_ptr"]) - 1 != len(q):
+        raise UserError(f"{args.search}: the index has {len(index['term_ptr']) - 1} terms, the model {len(q)}; "
+                        f"the index belongs to another model, train again to rebuild it")
+    weights, terms = q.topk(min(20, int((q > 0).sum())))
+    vocab = tokenizer.ids_to_tokens
+    print(f"query: {args.query!r} -> {int((q > 0).sum())} non-zero terms; top terms:")
+    print("  " + "  ".join(f"{vocab[t]}:{w:.2f}" for w, t in zip(weights.tolist(), terms.tolist())))
+    scores = score(index, q[None], len(documents))[0]
+    top = scores.topk(min(args.top_k, len(documents)))
+    print(f"top {len(top.indices)} of {len(documents)} documents:")
+    results = []
+    for rank, (s, i) in enumerate(zip(top.values.tolist(), top.indices.tolist()), 1):
+        first = documents[i].strip().splitlines()[0] if documents[i].strip() else ""
+        print(f"  {rank:2d}. {s:8.3f}  {first[:100]}")
+        results.append((i, s))
+    return {"terms": [vocab[t] for t in terms.tolist()], "results": results}
+
+
+# --- validation -----------------------------------------------------------------------------------
+def retrieval_metrics(scores, relevant):
+    """MRR@10, Recall@10, Recall@100 and nDCG@10 with one relevant document per query.
+
+    relevant[i] is the pool index of query i's positive. With a single relevant document the ideal
+    DCG is 1, so nDCG@10 = 1 / log2(rank + 1) when it ranks in the top 10.
+    """
+    target = scores[torch.arange(len(relevant)), relevant]
+    rank = (scores > target[:, None]).sum(1) + 1  # ties count in the query's favour
+    rank = rank.float()
+    return {
+        "mrr@10": torch.where(rank <= 10, 1 / rank, 0).mean().item(),
+        "recall@10": (rank <= 10).float().mean().item(),
+        "recall@100": (rank <= 100).float().mean().item(),
+        "ndcg@10": torch.where(rank <= 10, 1 / torch.log2(rank + 1), 0).mean().item(),
+    }
+
+
+def evaluate(model, tokenizer, val, args, amp):
+    """Encode the whole val pool, index it, search with every val query; also the sparsity."""
+    queries, pool, relevant = val
+    d = encode(model, tokenizer, pool, args.max_length, args.eval_batch_size, amp)
+    q = encode(model, tokenizer, queries, args.max_query_length, args.eval_batch_size, amp)
+    result = retrieval_metrics(score(build_index(d), q, len(pool)), torch.tensor(relevant))
+    result.update(val_q_terms=(q > 0).sum(1).float().mean().item(), val_d_terms=(d > 0).sum(1).float().mean().item())
+    return result
+
+
+def metrics_text(m):
+    return (f"MRR@10 {m['mrr@10']:.4f} | R@10 {m['recall@10']:.4f} | R@100 {m['recall@100']:.4f} | "
+            f"nDCG@10 {m['ndcg@10']:.4f} | terms q {m['val_q_terms']:.0f} d {m['val_d_terms']:.0f}")
+
+
+# --- memory estimate ------------------------------------------------------------------------------
+def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp=False, checkpointing=False,
+                    optimizer_on_cpu=False, cached_batch=0):
+    """Predicted bytes per component for one SPLADE training step.
+
+    A micro-batch encodes batch_size queries and batch_size (1 + k) documents. Per token and layer,
+    BERT keeps about 18 x hidden values for backward (q, k, v, attention output, two LayerNorm inputs
+    and outputs, the 4x-wide MLP before and after GELU) plus heads x T attention probabilities; the
+    MLM head keeps its [tokens, vocab] logits, and their gradient exists in backward: 8 bytes a value
+    in fp32 (splade_max takes the max before the activation, so nothing larger is kept). Gradient
+    checkpointing keeps only each layer's input. cached_batch > 0 (GradCache) adds the cached
+    representations of the whole effective batch and their gradients, [queries + documents, vocab].
+    """
+    s = 2 if amp else 4
+    tokens = batch_size * q_len + batch_size * (1 + k) * d_len
+    per_layer = tokens * cfg.hidden_size * 18 * s + cfg.num_attention_heads * (
+        batch_size * q_len ** 2 + batch_size * (1 + k) * d_len ** 2) * (s + 1)
+    layers = cfg.num_hidden_layers
+    act = (layers * tokens * cfg.hidden_size * s + per_layer) if checkpointing else layers * per_layer
+    estimate = {
+        "parameters (fp32)": n_params * 4,
+        "gradients (fp32)": n_params * 4,
+        "AdamW moments (2 x fp32)" + (" on the CPU" if optimizer_on_cpu else ""): 0 if optimizer_on_cpu else n_params * 8,
+        "encoder activations": act + tokens * cfg.hidden_size * 4 * 3,
+        "MLM logits + gradient": tokens * cfg.vocab_size * (8 if not amp else 2 + 4 + 4),
+    }
+    if cached_batch:
+        estimate["cached representations + grads"] = cached_batch * (2 + k) * cfg.vocab_size * 4 * 2
+    estimate["runtime baseline"] = {"cpu": 300 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)
+    return estimate
+
+
+# --- save -----------------------------------------------------------------------------------------
+def save_model(out_dir, model, cfg, tokenizer, step, last_finite):
+    """OUT as a plain Hugging Face masked-LM directory: config.json, model.safetensors, vocab.txt,
+    tokenizer_config.json. Non-finite weights are never written."""
+    guards.check_finite_weights(model.state_dict(), step, last_finite, out_dir)
+    bert.save_pretrained(model, cfg, out_dir, metadata={"step": str(step)})
+    tokenizer.save(out_dir)
+
+
+def save_state(out_dir, optimizer, step, run_state, args):
+    """What --resume needs besides the weights. step = the next step to run."""
+    state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
+             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+             "run": json.dumps(run_state), "args": json.dumps(vars(args))}
+    checkpoint.save_training_state(out_dir, state)
+
+
+def save_best_copy(out_dir, model, cfg, tokenizer, step):
+    best = os.path.join(out_dir, "best")
+    bert.save_pretrained(model, cfg, best, metadata={"step": str(step)})
+    tokenizer.save(best)
+
+
+# --- what train_splade_optimized.py changes -------------------------------------------------------
+@dataclasses.dataclass
+class Variant:
+    """The decisions a variant script makes differently; the defaults are this script's behaviour."""
+    device: torch.device = None  # None: --device, else cuda, mps, cpu
+    amp: object = "from --dtype"  # an autocast dtype, None for fp32, or "from --dtype"
+    step_fn: Callable = naive_step  # (model, micro_batches, lam_q, lam_d, amp, scaler) -> stats
+    prepare_model: Callable = None  # (model) -> None, before the optimiser is built
+    make_optimizer: Callable = None  # (params, lr, weight_decay, device) -> optimizer
+    after_step: Callable = None  # (step, record) -> text for the progress line
+    estimate_kwargs: dict = dataclasses.field(default_factory=dict)
+    uses_grad_accum_exactly: bool = False
+
+
+FIXED_ON_RESUME = ("train_file", "val_file", "model_name", "vocab_size", "hidden_size", "num_layers", "num_heads",
+                   "max_length", "max_query_length", "negatives_per_query", "batch_size", "grad_accum", "seed")
+CHANGEABLE_ON_RESUME = ("lr", "epochs", "steps", "lambda_q", "lambda_d", "reg_warmup_steps", "save_interval",
+                        "log_interval", "early_stopping", "early_stopping_patience", "early_stopping_min_delta")
+
+
+def run(args, parser=None, argv=None, variant=None):
+    variant = variant or Variant()
+    log = print
+    # --- check every flag and path before any work -------------------------------------------------
+    guards.check_output_dir(args.out_dir, "--output-dir")
+    guards.check_cache_dir(args.cache_dir)
+    if not args.estimate_memory:
+        guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
+    saved = None
+    if args.resume:
+        saved = checkpoint.load_training_state(args.out_dir)
+        saved_args = json.loads(saved["args"])
+        if parser is not None:
+            guards.check_resume_flags(saved_args, args, parser, FIXED_ON_RESUME, CHANGEABLE_ON_RESUME, log=log, argv=argv)
+        for key in FIXED_ON_RESUME:  # the saved run defines what the data and the model are
+            setattr(args, key, saved_args.get(key, getattr(args, key)))
+    for flag, path in (("--train-file", args.train_file), ("--val-file", args.val_file)):
+        if path and not os.path.isfile(path):
+            raise UserError(f"{flag} {path} does not exist or is not a file; pass a JSON or JSONL file of records")
+    if args.early_stopping and not args.val_file and args.train_file:
+        raise UserError("--early-stopping needs validation data; pass --val-file")
+
+    # --- device ------------------------------------------------------------------------------------
+    device = variant.device or devices.pick_device(args.device)
+    amp = devices.amp_dtype(device, args.dtype) if variant.amp == "from --dtype" else variant.amp
+    devices.seed_everything(args.seed)
+    if device.type == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = True
+
+    # --- model configuration (before the data, so --estimate-memory is instant) --------------------
+    from_scratch = not args.model_name and not args.resume
+    if from_scratch:
+        if args.hidden_size % args.num_heads:
+            raise UserError(f"--hidden-size {args.hidden_size} is not divisible by --num-heads {args.num_heads}")
+        cfg = bert.BertConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                              num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+                              intermediate_size=4 * args.hidden_size, max_position_embeddings=512)
+    else:
+        model_dir = args.out_dir if args.resume else args.model_name
+        if not os.path.isdir(model_dir) and hub.is_hub_id(model_dir) and args.estimate_memory:
+            model_dir = hub.download(model_dir, ["config.json"], args.cache_dir, log=log)  # the shape is enough
+        elif not os.path.isdir(model_dir):
+            model_dir = bert.resolve(model_dir, args.cache_dir, log=log)
+        cfg = bert.read_config(model_dir)
+    if args.dropout is not None:
+        cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = args.dropout
+    longest = max(args.max_length, args.max_query_length)
+    if longest > cfg.max_position_embeddings:
+        raise UserError(f"--max-length {longest} exceeds the model's {cfg.max_position_embeddings} positions; "
+                        f"use at most {cfg.max_position_embeddings}")
+    lr = args.lr or (5e-5 if args.model_name else 1e-3)  # fine-tuning moves little; from scratch needs more
+    k = args.negatives_per_query
+    with torch.device("meta"):
+        n_params = bert.num_params(bert.build_model(cfg))
+    estimate = estimate_memory(cfg, n_params, args.batch_size, k, args.max_query_length, args.max_length,
+                               device.type, amp is not None, **variant.estimate_kwargs)
+    log(f"model: {cfg.model_type} {'from scratch' if from_scratch else 'from ' + model_dir}, {cfg.num_hidden_layers} "
+        f"layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n_params:,} parameters; device {device}, "
+        f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; {args.batch_size} queries x "
+        f"(1 + {k}) documents per micro-batch, {args.grad_accum} micro-batch(es) per step")
+    if args.estimate_memory:
+        log(memory_table(estimate))
+        return {"estimate": estimate}
+    guards.check_memory(sum(estimate.values()), device, args.force,
+                        "lower --batch-size or --max-length (or use train_splade_optimized.py)")
+
+    # --- data --------------------------------------------------------------------------------------
+    if args.train_file:
+        train = read_examples(args.train_file, "--train-file", k)
+        val = read_examples(args.val_file, "--val-file", 0) if args.val_file else []
+        pool = val_pool(val)
+        source = args.train_file
+    else:
+        t0 = time.perf_counter()
+        train, val, pool = stdlib_examples()
+        source = "the stdlib (docstring -> code)"
+        log(f"data: {len(train)} train pairs, {len(val)} val queries over a pool of {len(pool)} functions, built "
+            f"from the running Python's standard library in {time.perf_counter() - t0:.1f}s")
+    per_step = args.batch_size * args.grad_accum
+    steps_per_epoch = len(train) // per_step
+    if steps_per_epoch == 0:
+        raise UserError(f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} = {per_step} queries per step "
+                        f"exceeds the {len(train)} training records; lower --batch-size")
+    total_steps = args.steps if args.steps is not None else args.epochs * steps_per_epoch
+    position = {d: i for i, d in enumerate(pool)}
+    val_data = ([ex.query for ex in val], pool, [position[ex.positive] for ex in val]) if val else None
+
+    # --- tokenizer and model -----------------------------------------------------------------------
+    if from_scratch:
+        t0 = time.perf_counter()
+        texts = dict.fromkeys(t for ex in train for t in (ex.query, ex.positive, *ex.negatives))
+        tokenizer = wordpiece.learn_vocab(list(texts), vocab_size=args.vocab_size)
+        cfg.vocab_size = tokenizer.vocab_size  # a small corpus can end below --vocab-size
+        log(f"learned a WordPiece vocabulary of {tokenizer.vocab_size:,} entries from the training texts "
+            f"in {time.perf_counter() - t0:.1f}s")
+        model = bert.init_weights(bert.build_model(cfg))
+    else:
+        model, cfg, tokenizer = load_model_and_tokenizer(model_dir, args.cache_dir, log)
+        if args.dropout is not None:
+            set_dropout(model, cfg, args.dropout)
+    model.train()
+    t0 = time.perf_counter()
+    ids = {"q": {}, "d": {}}  # tokenise every text once; batches are then just padding
+    for ex in train:
+        ids["q"].setdefault(ex.query, tokenizer.encode(ex.query, max_length=args.max_query_length))
+        for text in (ex.positive, *ex.negatives):
+            if text not in ids["d"]:
+                ids["d"][text] = tokenizer.encode(text, max_length=args.max_length)
+    log(f"tokenised {len(ids['q']):,} queries and {len(ids['d']):,} documents in {time.perf_counter() - t0:.1f}s")
+
+    devices.reset_peak_memory(device)
+    model.to(device)
+    if variant.prepare_model:
+        variant.prepare_model(model)
+
+    # --- optimiser ---------------------------------------------------------------------------------
+    make = variant.make_optimizer or (lambda params, lr, wd, dev: optim.make_adamw(params, lr, wd, (0.9, 0.999), dev.type))
+    optimizer = make(list(model.parameters()), lr, args.weight_decay, device)
+    scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
+    start_step = 0
+    run_state = {"first_metrics": None, "best": None, "best_step": None, "bad_evals": 0, "last_saved": None}
+    if saved is not None:
+        optimizer.load_state_dict(saved["optimizer"])
+        torch.set_rng_state(saved["rng_cpu"])
+        if saved["rng_cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(saved["rng_cuda"])
+        start_step, run_state = saved["step"], json.loads(saved["run"])
+        log(f"resuming from step {start_step} of {total_steps} in {args.out_dir}")
+
+    # --- training loop -----------------------------------------------------------------------------
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    guards.start_metrics(metrics_path, args.resume)
+    mlog = metrics.MetricsLog(metrics_path)
+    mlog.log(event="start", seed=args.seed, step=start_step, device=str(device), data=source, n_train=len(train),
+             n_val=len(val), pool=len(pool), total_steps=total_steps, steps_per_epoch=steps_per_epoch,
+             n_params=n_params, config=dataclasses.asdict(cfg), args=vars(args))
+    monitor = args.early_stopping_monitor
+
+    def validate(step):
+        """Validate, keep the best model, and say whether to stop early."""
+        m = evaluate(model, tokenizer, val_data, args, amp)
+        log(f"step {step} (epoch {step / steps_per_epoch:.2f}): val {metrics_text(m)}")
+        mlog.log(step=step, epoch=step / steps_per_epoch, val=m)
+        if run_state["first_metrics"] is None:
+            run_state["first_metrics"] = m
+            return False
+        improved = run_state["best"] is None or m[monitor] > run_state["best"] + args.early_stopping_min_delta
+        if improved:
+            run_state.update(best=m[monitor], best_step=step, bad_evals=0)
+            if args.save_best_only:
+                save_all(step)
+            else:
+                save_best_copy(args.out_dir, model, cfg, tokenizer, step)
+        else:
+            run_state["bad_evals"] += 1
+        return args.early_stopping and run_state["bad_evals"] >= args.early_stopping_patience
+
+    def save_all(step):
+        save_model(args.out_dir, model, cfg, tokenizer, step, run_state["last_saved"])
+        run_state["last_saved"] = step
+        save_state(args.out_dir, optimizer, step, run_state, args)
+
+    speed = metrics.Throughput(total_steps, start_step)
+    next_step, stopped_early = start_step, False
+    if val_data and start_step == 0:
+        validate(0)
+    try:
+        for step in range(start_step, total_steps):
+            lr_now = optim.lr_at(step, lr, args.warmup_steps, total_steps, 0.0)
+            for group in optimizer.param_groups:
+                group["lr"] = lr_now
+            lam_q, lam_d = (lambda_at(step, lam, args.reg_warmup_steps) for lam in (args.lambda_q, args.lambda_d))
+            micro = batch_for_step(train, ids, step, steps_per_epoch, args.batch_size, args.grad_accum, k,
+                                   args.seed, tokenizer.pad_id)
+            micro = [Batch(*(t.to(device) for t in dataclasses.astuple(mb))) for mb in micro]
+            stats = variant.step_fn(model, micro, lam_q, lam_d, amp, scaler)
+            if not math.isfinite(stats["loss"]):
+                raise UserError(f"loss became {stats['loss']} at step {step}; stopped before the update, "
+                                f"{guards.last_finite_text(run_state['last_saved'], args.out_dir)}; lower --lr or check the data")
+            scaler.unscale_(optimizer)
+            grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
+            skipped = not math.isfinite(grad_norm)
+            if skipped:  # one bad batch must not poison the weights: drop this update
+                optimizer.zero_grad(set_to_none=True)
+                scaler.update()
+            else:
+                scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+            next_step = step + 1
+            speed.add(sum(mb.q_mask.sum().item() + mb.d_mask.sum().item() for mb in micro))
+
+            record = dict(step=step, lr=lr_now, lambda_q=lam_q, lambda_d=lam_d, grad_norm=grad_norm, **stats)
+            if skipped:
+                record["skipped"] = True
+            note = variant.after_step(step, record) if variant.after_step else ""
+            if step % args.log_interval == 0 or step == total_steps - 1 or note:
+                devices.synchronize(device)
+                tok_s, _, eta = speed.report(step + 1)
+                mem = devices.peak_memory_bytes(device)
+                record.update(tokens_per_s=round(tok_s), peak_memory=mem)
+                log(f"step {step:5d}/{total_steps} | loss {stats['loss']:.4f} | rank {stats['rank_loss']:.4f} | "
+                    f"flops q {stats['q_flops']:.2f} d {stats['d_flops']:.2f} | terms q {stats['q_terms']:.0f} "
+                    f"d {stats['d_terms']:.0f} | lr {lr_now:.2e} | {tok_s:7,.0f} tok/s | mem "
+                    f"{metrics.format_bytes(mem)}{note} | ETA {metrics.format_seconds(eta)}"
+                    + (" | skipped (gradient not finite)" if skipped else ""))
+            mlog.log(**record)
+
+            end_of_epoch = next_step % steps_per_epoch == 0 or next_step == total_steps
+            if end_of_epoch and val_data:
+                stopped_early = validate(next_step)
+            if not args.save_best_only and ((end_of_epoch and next_step < total_steps) or
+                                            (args.save_interval and next_step % args.save_interval == 0)):
+                save_all(next_step)
+            if stopped_early:
+                log(f"early stopping: {monitor} has not improved by {args.early_stopping_min_delta} for "
+                    f"{args.early_stopping_patience} validations (best {run_state['best']:.4f} at step {run_state['best_step']})")
+                break
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
+        if args.save_best_only and run_state["last_saved"] is not None:
+            print(f"\ninterrupted at step {next_step}: {args.out_dir} keeps the best model (step "
+                  f"{run_state['last_saved']}); continue from it with --resume", file=sys.stderr)
+        else:
+            save_all(next_step)
+            print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
+        sys.exit(130)
+    step = next_step
+
+    # --- save --------------------------------------------------------------------------------------
+    if not (args.save_best_only and run_state["last_saved"] is not None):
+        save_all(step)
+    else:
+        # OUT holds the best model; the index and the report must describe that one.
+        model.load_state_dict(bert.load_pretrained(args.out_dir, log=lambda *a: None)[0].state_dict())
+        log(f"--save-best-only: {args.out_dir} holds the best model, step {run_state['last_saved']}")
+    log(f"saved {args.out_dir}: config.json, model.safetensors ({cfg.model_type} masked-LM, Hugging Face layout), "
+        f"vocab.txt, tokenizer_config.json, training_state.pt")
+    index_docs = {"all": list(dict.fromkeys([*pool, *(t for ex in train for t in (ex.positive, *ex.negatives))])),
+                  "val": pool, "none": []}[args.index]
+    if index_docs:
+        t0 = time.perf_counter()
+        reps = encode(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp)
+        index = build_index(reps)
+        save_index(args.out_dir, index, index_docs)
+        log(f"indexed {len(index_docs):,} documents ({len(index['weights']) / len(index_docs):.0f} terms per document, "
+            f"{len(index['weights']):,} postings) in {time.perf_counter() - t0:.1f}s: {args.out_dir}/{INDEX_FILE}; "
+            f"search with --search {args.out_dir} --query TEXT")
+
+    # --- report ------------------------------------------------------------------------------------
+    peak = devices.peak_memory_bytes(device)
+    log(memory_table(estimate, peak, f"measured ({devices.memory_label(device)})"))
+    first = run_state["first_metrics"]
+    final = evaluate(model, tokenizer, val_data, args, amp) if val_data else None
+    if final:
+        log(f"val {monitor}: {first[monitor]:.4f} before training, {final[monitor]:.4f} now"
+            + (f" (best {run_state['best']:.4f} at step {run_state['best_step']})" if run_state["best"] is not None else ""))
+    mlog.log(event="end", step=step, val=final, first_val=first, best=run_state["best"], best_step=run_state["best_step"],
+             stopped_early=stopped_early, peak_memory=peak, memory_estimate=sum(estimate.values()))
+    return {"first": first, "final": final, "best": run_state["best"], "step": step, "peak_memory": peak,
+            "estimate": estimate, "model": model, "tokenizer": tokenizer}
+
+
+def memory_table(estimate, measured=None, label="measured peak"):
+    from lib.memory import format_table
+
+    return format_table(estimate, measured, label)
+
+
+if __name__ == "__main__":
+    main()
