@@ -86,8 +86,8 @@ class WordPiece:
     """vocab: token -> id (vocab.txt line number). Build with load_wordpiece() or learn_vocab()."""
 
     def __init__(self, tokens: list, do_lower_case=True, strip_accents=None, tokenize_chinese_chars=True,
-                 specials: dict = None, never_split=(), model_max_length=512, clean_up_tokenization_spaces=True,
-                 where="vocab.txt"):
+                 specials: dict = None, added_tokens=(), never_split=(), model_max_length=512,
+                 clean_up_tokenization_spaces=True, where="vocab.txt"):
         self.ids_to_tokens = list(tokens)
         self.vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens)}  # a repeated line keeps its last id, as in transformers
         self.vocab_size = len(self.ids_to_tokens)
@@ -107,9 +107,13 @@ class WordPiece:
         self.sep_id = self.vocab[self.specials["sep_token"]]
         self.pad_id = self.vocab[self.specials["pad_token"]]
         self.mask_id = self.vocab.get(self.specials["mask_token"])
-        # Special tokens written in the text ("a [MASK] b") are kept whole, as transformers does.
-        self.never_split = set(never_split) | {t for t in self.specials.values() if t in self.vocab}
-        whole = sorted(self.never_split, key=lambda t: (-len(t), t))
+        # Special (and added) tokens written in the text, even inside a word ("a[MASK]b"), are cut out
+        # and kept whole before anything else, as transformers does; never_split words from the
+        # config are only protected when they stand alone between spaces.
+        self.added_tokens = {t for t in (*self.specials.values(), *added_tokens) if t in self.vocab}
+        self._never_split_setting = sorted(set(never_split))
+        self.never_split = set(never_split) | self.added_tokens
+        whole = sorted(self.added_tokens, key=lambda t: (-len(t), t))
         self._special_re = re.compile("(" + "|".join(map(re.escape, whole)) + ")") if whole else None
         self._cache = {}
 
@@ -201,7 +205,7 @@ class WordPiece:
         """The pieces joined, "##" pieces glued to the piece before, as BertTokenizer.decode does."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
-        special = {self.vocab[t] for t in self.never_split if t in self.vocab}
+        special = {self.vocab[t] for t in self.added_tokens}
         words, run = [], []
         for i in ids:
             tok = self.ids_to_tokens[i] if 0 <= i < self.vocab_size else self.specials["unk_token"]
@@ -234,16 +238,18 @@ class WordPiece:
                 f.write(text)
 
         atomic_write(os.path.join(out_dir, "vocab.txt"), write)
-        save_json(os.path.join(out_dir, "tokenizer_config.json"), {
-            "tokenizer_class": "BertTokenizer",
-            "do_lower_case": self.do_lower_case,
-            "strip_accents": self._strip_accents_setting,
-            "tokenize_chinese_chars": self.tokenize_chinese_chars,
-            "model_max_length": self.model_max_length,
-            "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces,
-            **self.specials,
-        })
-        save_json(os.path.join(out_dir, "special_tokens_map.json"), dict(self.specials))
+        specials = dict(self.specials)
+        extra = sorted(self.added_tokens - set(self.specials.values()))
+        if extra:
+            specials["additional_special_tokens"] = extra
+        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": self.do_lower_case,
+                  "strip_accents": self._strip_accents_setting, "tokenize_chinese_chars": self.tokenize_chinese_chars,
+                  "model_max_length": self.model_max_length,
+                  "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces, **specials}
+        if self._never_split_setting:
+            config["never_split"] = self._never_split_setting
+        save_json(os.path.join(out_dir, "tokenizer_config.json"), config)
+        save_json(os.path.join(out_dir, "special_tokens_map.json"), specials)
 
 
 def _token_text(value):
@@ -288,11 +294,11 @@ def load_wordpiece(model_dir: str) -> WordPiece:
         value = _token_text(config.get(name)) or _token_text(smap.get(name))
         if value:
             specials[name] = value
-    never_split = list(config.get("never_split") or [])
+    added = []
     for source in (config, smap):
-        never_split += [_token_text(t) for t in source.get("additional_special_tokens") or [] if _token_text(t)]
-    never_split += [t["content"] for t in (config.get("added_tokens_decoder") or {}).values()
-                    if isinstance(t, dict) and t.get("content") in tokens]
+        added += [_token_text(t) for t in source.get("additional_special_tokens") or [] if _token_text(t)]
+    added += [t["content"] for t in (config.get("added_tokens_decoder") or {}).values()
+              if isinstance(t, dict) and isinstance(t.get("content"), str)]
     max_len = config.get("model_max_length", 512)
     if not isinstance(max_len, (int, float)) or max_len > 1e9:  # transformers writes 1e30 for "no limit"
         max_len = 512
@@ -302,7 +308,8 @@ def load_wordpiece(model_dir: str) -> WordPiece:
         strip_accents=config.get("strip_accents"),
         tokenize_chinese_chars=config.get("tokenize_chinese_chars", True),
         specials=specials,
-        never_split=never_split,
+        added_tokens=added,
+        never_split=list(config.get("never_split") or []),
         model_max_length=int(max_len),
         clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces", True),
         where=vocab_path,

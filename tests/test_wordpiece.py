@@ -134,6 +134,21 @@ def test_special_tokens_from_either_file(tmp_path):
     assert (tok.pad_id, tok.mask_id) == (0, 4)
 
 
+def test_added_tokens_cut_out_everywhere_never_split_only_alone(tmp_path):
+    """As transformers' BertTokenizerLegacy does (checked by hand against it): an added special token
+    is found even inside a word; a never_split word escapes lowercasing only standing alone."""
+    (tmp_path / "vocab.txt").write_text("\n".join(SMALL + ["<ent>", "keepme", "KEEPME"]) + "\n")
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(
+        {"additional_special_tokens": ["<ent>"], "never_split": ["KEEPME"], "do_lower_case": True}))
+    tok = load_wordpiece(str(tmp_path))
+    want = ["hello", "<ent>", "world", "KEEPME", "keepme", ".", "hello", "[MASK]"]
+    assert tok.tokenize("hello<ent>world KEEPME KEEPME. hello [MASK]") == want
+    tok.save(str(tmp_path / "again"))
+    again = load_wordpiece(str(tmp_path / "again"))
+    assert again.tokenize("hello<ent>world KEEPME KEEPME. hello [MASK]") == want
+    assert again.decode(again.encode("hello<ent>"), skip_special_tokens=True) == "hello"
+
+
 def test_file_errors(tmp_path):
     with pytest.raises(UserError, match=r"vocab\.txt is missing"):
         load_wordpiece(str(tmp_path))
