@@ -303,10 +303,8 @@ def hf_to_ours(key: str, model_type: str):
     """A transformers key -> our key, or None for tensors we do not use (pooler, NSP head, buffers)."""
     if IGNORED.search(key):
         return None
-    key = re.sub(r"LayerNorm\.gamma$", "LayerNorm.weight", key)  # TF-era checkpoints
-    key = re.sub(r"LayerNorm\.beta$", "LayerNorm.bias", key)
-    key = re.sub(r"(layer_norm)\.gamma$", r"\1.weight", key)
-    key = re.sub(r"(layer_norm)\.beta$", r"\1.bias", key)
+    # TF-era checkpoints call a LayerNorm's scale and shift gamma and beta.
+    key = re.sub(r"(LayerNorm|layer_norm)\.gamma$", r"\1.weight", re.sub(r"(LayerNorm|layer_norm)\.beta$", r"\1.bias", key))
     if model_type == "distilbert":
         return key.removeprefix("distilbert.")
     key = key.removeprefix("bert.")
@@ -323,7 +321,8 @@ def ours_to_hf(key: str, model_type: str) -> str:
     return "bert." + re.sub(r"\.attention\.(query|key|value)\.", r".attention.self.\1.", key)
 
 
-# Tied copies of the word embeddings: transformers writes neither; we read them only to compare.
+# Tied tensors that transformers does not write: the decoder weight is the word-embedding matrix,
+# BERT's decoder bias is cls.predictions.bias. When a checkpoint has them we read them only to compare.
 TIED = {"bert": ("predictions.decoder.weight", "predictions.decoder.bias"), "distilbert": ("vocab_projector.weight",)}
 
 
