@@ -331,9 +331,9 @@ def to_hf_state_dict(model: nn.Module) -> dict:
     return {ours_to_hf(k, t): v for k, v in model.state_dict().items() if k not in TIED[t]}
 
 
-def from_hf_state_dict(hf: dict, cfg: BertConfig, where: str, allow_missing_head=False, log=print) -> dict:
-    """transformers' tensors -> a state dict for build_model(cfg); UserError naming the file and the
-    tensor when one is missing or has the wrong shape."""
+def from_hf_state_dict(hf: dict, cfg: BertConfig, where: str, allow_missing_head=False, log=print, model=None) -> dict:
+    """transformers' tensors -> a state dict for build_model(cfg) (or for `model`, already built);
+    UserError naming the file and the tensor when one is missing or has the wrong shape."""
     t = cfg.model_type
     sd = {}
     for k, v in hf.items():
@@ -342,8 +342,7 @@ def from_hf_state_dict(hf: dict, cfg: BertConfig, where: str, allow_missing_head
             sd[ours] = v
     if t == "bert" and "predictions.bias" not in sd and "predictions.decoder.bias" in sd:
         sd["predictions.bias"] = sd["predictions.decoder.bias"]  # some checkpoints keep only the decoder's copy
-    with torch.device("meta"):  # names and shapes only, no memory
-        want = {k: tuple(v.shape) for k, v in build_model(cfg).state_dict().items()}
+    want = {k: tuple(v.shape) for k, v in (model or build_model(cfg)).state_dict().items()}
     emb = "embeddings.word_embeddings.weight"
     for tied in TIED[t]:
         if tied in sd:
@@ -441,8 +440,8 @@ def load_pretrained(name_or_dir: str, cache_dir: str = None, dtype=torch.float32
     model_dir = resolve(name_or_dir, cache_dir, log)
     cfg = read_config(model_dir)
     hf, path = read_weights(model_dir)
-    sd = from_hf_state_dict(hf, cfg, path, allow_missing_head=allow_missing_head, log=log)
     model = build_model(cfg)
+    sd = from_hf_state_dict(hf, cfg, path, allow_missing_head=allow_missing_head, log=log, model=model)
     model.load_state_dict({k: v.to(torch.float32) for k, v in sd.items()})
     return model.to(dtype).eval(), cfg, model_dir
 
