@@ -352,6 +352,9 @@ def from_hf_state_dict(hf: dict, cfg: BertConfig, where: str, allow_missing_head
                     f"embeddings (the decoder is tied, as transformers does)")
     if t == "distilbert" and emb in sd:
         sd["vocab_projector.weight"] = sd[emb]
+    pos = "embeddings.position_embeddings.weight"
+    if cfg.sinusoidal_pos_embds and pos not in sd:  # a fixed table: some checkpoints do not store it
+        sd[pos] = sinusoidal_table(cfg.max_position_embeddings, cfg.hidden_size)
     head = [k for k in want if k.startswith(("predictions.", "vocab_"))]
     missing = [k for k in want if k not in sd]
     if missing and set(missing) <= set(head) and allow_missing_head:

@@ -45,14 +45,14 @@ def _is_punctuation(ch: str) -> bool:
     return unicodedata.category(ch).startswith("P")
 
 
-def _clean_char(ch: str):
+def _clean_char(ch: str, space_cjk=True):
     """What the cleaning pass turns one character into: deleted (None), a space, spaced out, or itself."""
     cp = ord(ch)
     if ch in " \t\n\r" or unicodedata.category(ch) == "Zs":
         return " "
     if cp == 0 or cp == 0xFFFD or unicodedata.category(ch).startswith("C"):
         return None  # control and format characters (tab, newline and CR were whitespace above)
-    if _is_cjk(cp):
+    if space_cjk and _is_cjk(cp):
         return f" {ch} "
     return ch
 
@@ -71,11 +71,11 @@ class _CharTable(dict):
 
 
 _CLEAN = _CharTable(_clean_char)
-_CLEAN_NO_CJK = _CharTable(lambda ch: ch if _is_cjk(ord(ch)) and _clean_char(ch) is not None else _clean_char(ch))
+_CLEAN_NO_CJK = _CharTable(lambda ch: _clean_char(ch, space_cjk=False))
 _SPLIT_PUNCT = _CharTable(lambda ch: f" {ch} " if _is_punctuation(ch) else ch)
 
 
-def strip_accents(word: str) -> str:
+def remove_accents(word: str) -> str:
     """NFD splits "é" into "e" + a combining accent (category Mn), which is then dropped."""
     return "".join(ch for ch in unicodedata.normalize("NFD", word) if unicodedata.category(ch) != "Mn")
 
@@ -132,7 +132,7 @@ class WordPiece:
             if self.do_lower_case:
                 word = word.lower()
             if self.strip_accents and not word.isascii():
-                word = strip_accents(word)
+                word = remove_accents(word)
             out.extend(word.translate(_SPLIT_PUNCT).split())
         return out
 
@@ -157,7 +157,7 @@ class WordPiece:
                     break
                 pieces.append(piece)
                 start = end
-        if len(self._cache) < 500_000:
+        if len(self._cache) < 100_000:  # frequent words are met early; cap the memory
             self._cache[word] = pieces
         return pieces
 
