@@ -462,3 +462,23 @@ def save_pretrained(model: nn.Module, cfg: BertConfig, out_dir: str, metadata: d
 
 def num_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())  # shared (tied) tensors counted once
+
+
+def param_count(cfg: BertConfig) -> int:
+    """num_params(build_model(cfg)) by arithmetic, for memory estimates before anything is built."""
+    H, I, V = cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size
+    embeddings = (V + cfg.max_position_embeddings + cfg.type_vocab_size) * H + 2 * H
+    layer = 4 * (H * H + H) + (H * I + I) + (I * H + H) + 2 * 2 * H  # q, k, v, out; FFN in, out; two LayerNorms
+    head = (H * H + H) + 2 * H + V  # transform, LayerNorm, output bias (the output matrix is the embeddings)
+    return embeddings + cfg.num_hidden_layers * layer + head
+
+
+def load_config(name_or_dir: str, cache_dir: str = None, log=print) -> BertConfig:
+    """Only the config of a directory or hub id (a hub id downloads config.json alone), e.g. for
+    --estimate-memory before any weights are fetched."""
+    if os.path.isdir(name_or_dir) or not hub.is_hub_id(name_or_dir):
+        return read_config(resolve(name_or_dir, cache_dir, log))
+    if cache_dir is None:
+        from lib.data import default_cache_dir
+        cache_dir = default_cache_dir()
+    return read_config(hub.download(name_or_dir, [CONFIG], cache_dir, log=log))

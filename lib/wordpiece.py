@@ -327,7 +327,10 @@ def learn_vocab(texts, vocab_size=8192, lowercase=True, min_frequency=2) -> Word
     -> "##in"), until vocab_size entries exist or no pair occurs min_frequency times. Ties go to
     the pair of older pieces (smaller ids), so the result is deterministic. Pair counts are updated
     only for the words that contain the merged pair, which keeps this fast enough for megabytes.
+    The specials and the characters are always kept, so a tiny vocab_size can be exceeded.
     """
+    if vocab_size < len(SPECIALS):
+        raise ValueError(f"vocab_size {vocab_size} leaves no room for the {len(SPECIALS)} special tokens")
     base = WordPiece(list(SPECIALS.values()), do_lower_case=lowercase)
     counts = Counter()
     for text in texts:

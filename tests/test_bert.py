@@ -106,6 +106,20 @@ def test_bare_encoder_checkpoint(tmp_path, golden):
         assert_close(model.encode(golden["input_ids"], golden["attention_mask"]), golden["bert_hidden"])
 
 
+def test_distilbert_sinusoidal_table_may_be_absent(tmp_path):
+    cfg = bert.small_config(60, model_type="distilbert", sinusoidal_pos_embds=True, num_hidden_layers=1, hidden_size=32,
+                            num_attention_heads=2, intermediate_size=64, max_position_embeddings=16)
+    torch.manual_seed(0)
+    model = bert.init_weights(bert.build_model(cfg)).eval()
+    bert.save_pretrained(model, cfg, str(tmp_path))
+    sd = load_file(str(tmp_path / "model.safetensors"))
+    del sd["distilbert.embeddings.position_embeddings.weight"]
+    save_file(sd, str(tmp_path / "model.safetensors"))
+    again, cfg2, _ = bert.load_pretrained(str(tmp_path), log=quiet)
+    ids = torch.randint(5, 60, (2, 9))
+    assert cfg2.sinusoidal_pos_embds and torch.equal(again(ids), model(ids))
+
+
 def test_load_errors_name_the_file_and_tensor(tmp_path):
     d = tmp_path / "m"
     shutil.copytree(BERT_DIR, d)
@@ -166,7 +180,8 @@ def test_init_weights_and_tied_decoder():
                                                       torch.sin(torch.tensor(3 / 10000 ** (2 / 256))),
                                                       torch.cos(torch.tensor(3 / 10000 ** (2 / 256)))]))
     assert not table.requires_grad
-    assert bert.num_params(distil) == sum(p.numel() for p in set(distil.parameters()))
+    assert bert.num_params(distil) == sum(p.numel() for p in set(distil.parameters())) == bert.param_count(distil.cfg)
+    assert bert.num_params(model) == bert.param_count(cfg)
 
 
 @pytest.mark.parametrize("kind", ["bert", "distilbert"])
@@ -220,6 +235,8 @@ def test_load_from_hub_id(hub_server, tmp_path, monkeypatch, golden):
     endpoint, requests = hub_server
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     cache = str(tmp_path / "cache")
+    assert bert.load_config("naver/tiny-splade", cache_dir=cache, log=quiet).model_type == "distilbert"
+    assert requests == [("GET", "/naver/tiny-splade/resolve/main/config.json")]  # the config alone, for estimates
     model, cfg, model_dir = bert.load_pretrained("naver/tiny-splade", cache_dir=cache, log=quiet)
     assert model_dir == os.path.join(cache, "hub", "naver--tiny-splade", "main")
     assert_close(logits(model, golden), golden["distilbert_logits"])
