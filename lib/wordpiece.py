@@ -87,7 +87,7 @@ class WordPiece:
 
     def __init__(self, tokens: list, do_lower_case=True, strip_accents=None, tokenize_chinese_chars=True,
                  specials: dict = None, added_tokens=(), never_split=(), model_max_length=512,
-                 clean_up_tokenization_spaces=True, where="vocab.txt"):
+                 clean_up_tokenization_spaces=True, do_basic_tokenize=True, where="vocab.txt"):
         self.ids_to_tokens = list(tokens)
         self.vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens)}  # a repeated line keeps its last id, as in transformers
         self.vocab_size = len(self.ids_to_tokens)
@@ -96,6 +96,7 @@ class WordPiece:
         self.strip_accents = self.do_lower_case if strip_accents is None else bool(strip_accents)
         self._strip_accents_setting = strip_accents
         self.tokenize_chinese_chars = bool(tokenize_chinese_chars)
+        self.do_basic_tokenize = bool(do_basic_tokenize)  # False: words are split on whitespace only, as they are
         self.model_max_length = int(model_max_length)
         self.clean_up_tokenization_spaces = bool(clean_up_tokenization_spaces)
         self.specials = {**SPECIALS, **(specials or {})}
@@ -168,7 +169,7 @@ class WordPiece:
             if i % 2:  # a special token found in the text
                 tokens.append(part)
                 continue
-            for word in self.basic_tokenize(part):
+            for word in self.basic_tokenize(part) if self.do_basic_tokenize else part.split():
                 tokens.extend([word] if word in self.never_split else self.wordpiece(word))
         return tokens
 
@@ -242,7 +243,7 @@ class WordPiece:
         extra = sorted(self.added_tokens - set(self.specials.values()))
         if extra:
             specials["additional_special_tokens"] = extra
-        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": self.do_lower_case,
+        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": self.do_lower_case, "do_basic_tokenize": self.do_basic_tokenize,
                   "strip_accents": self._strip_accents_setting, "tokenize_chinese_chars": self.tokenize_chinese_chars,
                   "model_max_length": self.model_max_length,
                   "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces, **specials}
@@ -312,6 +313,7 @@ def load_wordpiece(model_dir: str) -> WordPiece:
         never_split=list(config.get("never_split") or []),
         model_max_length=int(max_len),
         clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces", True),
+        do_basic_tokenize=config.get("do_basic_tokenize", True),
         where=vocab_path,
     )
 
