@@ -414,9 +414,12 @@ def read_weights(model_dir: str) -> tuple:
             sd = torch.load(pt, map_location="cpu", weights_only=True)
         except Exception as e:
             raise UserError(f"{pt} cannot be read ({type(e).__name__}: {e}); download it again or convert it to safetensors") from None
-        if not isinstance(sd, dict):
-            raise UserError(f"{pt} holds a {type(sd).__name__}, not a state dict of tensors")
+        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+            raise UserError(f"{pt} holds a {type(sd).__name__}, not a state dict of tensors; it is not a model checkpoint")
         return sd, pt
+    if os.path.isfile(st + ".index.json"):
+        raise UserError(f"{model_dir} holds a sharded checkpoint ({SAFETENSORS}.index.json), which this loader does not "
+                        f"read; BERT-sized models fit one file: save the model again as a single {SAFETENSORS}")
     raise UserError(f"{model_dir} has neither {SAFETENSORS} nor {TORCH_BIN}; pass a directory with the model's weights")
 
 

@@ -140,6 +140,9 @@ def test_load_errors_name_the_file_and_tensor(tmp_path):
     (d / "pytorch_model.bin").write_bytes(b"not a zip file")
     with pytest.raises(UserError, match=r"pytorch_model\.bin cannot be read"):
         bert.load_pretrained(str(d), log=quiet)
+    torch.save({"epoch": 3, "weights": [1, 2]}, d / "pytorch_model.bin")
+    with pytest.raises(UserError, match=r"pytorch_model\.bin holds a dict, not a state dict of tensors"):
+        bert.load_pretrained(str(d), log=quiet)
     (d / "pytorch_model.bin").unlink()
     with pytest.raises(UserError, match=r"has neither model\.safetensors nor pytorch_model\.bin"):
         bert.load_pretrained(str(d), log=quiet)
