@@ -119,66 +119,84 @@ class WordPiece:
         self._cache = {}
 
     # -- text -> tokens --
-    def basic_tokenize(self, text: str) -> list:
-        """The first pass: clean, space out CJK, lowercase / strip accents, split punctuation."""
+    def _clean(self, text: str) -> str:
+        """Drop control characters, turn every space into " ", space out CJK ideographs."""
         text = text.translate(_CLEAN if self.tokenize_chinese_chars else _CLEAN_NO_CJK)
         # transformers' BasicTokenizer composes the text (NFC) before splitting it into words.
-        if not text.isascii():
-            text = unicodedata.normalize("NFC", text)
-        out = []
-        for word in text.split():
-            if word in self.never_split:
-                out.append(word)
-                continue
-            if self.do_lower_case:
-                word = word.lower()
-            if self.strip_accents and not word.isascii():
-                word = remove_accents(word)
-            out.extend(word.translate(_SPLIT_PUNCT).split())
-        return out
+        return text if text.isascii() else unicodedata.normalize("NFC", text)
+
+    def _split_word(self, word: str) -> list:
+        """One space-separated chunk -> words: lowercase, strip accents, split off punctuation."""
+        if word in self.never_split:
+            return [word]
+        if self.do_lower_case:
+            word = word.lower()
+        if self.strip_accents and not word.isascii():
+            word = remove_accents(word)
+        return word.translate(_SPLIT_PUNCT).split()
+
+    def basic_tokenize(self, text: str) -> list:
+        """The first pass: clean, space out CJK, lowercase / strip accents, split punctuation."""
+        text = self._clean(text)
+        if self._never_split_setting:  # words the config protects: look at each chunk alone
+            return [w for chunk in text.split() for w in self._split_word(chunk)]
+        # transformers does these chunk by chunk; on the whole text at once they give the same words
+        # (spaces end a final-sigma context and a combining sequence), only faster.
+        if self.do_lower_case:
+            text = text.lower()
+        if self.strip_accents and not text.isascii():
+            text = remove_accents(text)
+        return text.translate(_SPLIT_PUNCT).split()
 
     def wordpiece(self, word: str) -> list:
         """The second pass: greedy longest-match-first; [UNK] for the whole word if any part fails."""
-        pieces = self._cache.get(word)
-        if pieces is not None:
-            return pieces
         if len(word) > MAX_CHARS_PER_WORD:
-            pieces = [self.specials["unk_token"]]
-        else:
-            pieces, start = [], 0
-            while start < len(word):
-                end = len(word)
-                while end > start:
-                    piece = word[start:end] if start == 0 else "##" + word[start:end]
-                    if piece in self.vocab:
-                        break
-                    end -= 1
-                if end == start:  # not even one character matched here
-                    pieces = [self.specials["unk_token"]]
+            return [self.specials["unk_token"]]
+        pieces, start = [], 0
+        while start < len(word):
+            end = len(word)
+            while end > start:
+                piece = word[start:end] if start == 0 else "##" + word[start:end]
+                if piece in self.vocab:
                     break
-                pieces.append(piece)
-                start = end
-        if len(self._cache) < 100_000:  # frequent words are met early; cap the memory
-            self._cache[word] = pieces
+                end -= 1
+            if end == start:  # not even one character matched here
+                return [self.specials["unk_token"]]
+            pieces.append(piece)
+            start = end
         return pieces
 
-    def tokenize(self, text: str) -> list:
+    def _word(self, word: str) -> tuple:
+        """(pieces, ids) of one word, remembered: text repeats its words, so most cost one lookup."""
+        hit = self._cache.get(word)
+        if hit is None:
+            pieces = [word] if word in self.never_split else self.wordpiece(word)
+            hit = (pieces, [self.vocab.get(p, self.unk_id) for p in pieces])
+            if len(self._cache) < 200_000:  # frequent words are met early; cap the memory
+                self._cache[word] = hit
+        return hit
+
+    def _pieces(self, text: str, which: int) -> list:
+        """Pieces (which=0) or ids (which=1) of a text: special tokens cut out first, then both passes."""
         parts = self._special_re.split(text) if self._special_re else [text]
-        tokens = []
+        out, cache = [], self._cache
         for i, part in enumerate(parts):
             if i % 2:  # a special token found in the text
-                tokens.append(part)
+                out.append(part if which == 0 else self.vocab[part])
                 continue
             for word in self.basic_tokenize(part) if self.do_basic_tokenize else part.split():
-                tokens.extend([word] if word in self.never_split else self.wordpiece(word))
-        return tokens
+                out += (cache.get(word) or self._word(word))[which]  # the lookup inlined: this loop is the hot path
+        return out
+
+    def tokenize(self, text: str) -> list:
+        return self._pieces(text, 0)
 
     def convert_tokens_to_ids(self, tokens) -> list:
         return [self.vocab.get(t, self.unk_id) for t in tokens]
 
     def encode(self, text: str, add_special_tokens=True, max_length=None) -> list:
         """Token ids; [CLS] ... [SEP] around them, cut so the whole fits max_length (the [SEP] stays)."""
-        ids = self.convert_tokens_to_ids(self.tokenize(text))
+        ids = self._pieces(text, 1)
         if add_special_tokens:
             if max_length is not None:
                 if max_length < 2:
