@@ -68,6 +68,27 @@ def test_save_load_round_trip_keeps_hf_names(golden, tmp_path, model_dir):
     assert not [f for f in os.listdir(tmp_path) if ".tmp" in f]
 
 
+@pytest.mark.parametrize("kind, model_dir", [("bert", BERT_DIR), ("distilbert", DISTIL_DIR)])
+def test_model_made_here_round_trips(tmp_path, kind, model_dir):
+    """A model generated in the test (2 layers, 64 wide, random everywhere) -> HF names -> back."""
+    torch.manual_seed(0)
+    cfg = bert.small_config(300, model_type=kind, num_hidden_layers=2, hidden_size=64, num_attention_heads=2,
+                            intermediate_size=128, max_position_embeddings=32)
+    model = bert.init_weights(bert.build_model(cfg)).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn_like(p) * 0.1)
+    bert.save_pretrained(model, cfg, str(tmp_path))
+    # Exactly the tensor names transformers wrote for the same architecture (2 layers there too).
+    assert sorted(load_file(str(tmp_path / "model.safetensors"))) == sorted(load_file(os.path.join(model_dir, "model.safetensors")))
+    again, cfg2, _ = bert.load_pretrained(str(tmp_path), log=quiet)
+    ids = torch.randint(5, 300, (2, 11))
+    mask = torch.ones_like(ids)
+    mask[1, 7:] = 0
+    with torch.no_grad():
+        assert cfg2 == cfg and torch.equal(again(ids, mask), model(ids, mask))
+
+
 def test_old_checkpoint_formats(golden, tmp_path):
     """pytorch_model.bin (torch.load, weights_only), TF-era LayerNorm.gamma/beta names, an explicit
     decoder weight, a decoder bias instead of cls.predictions.bias, the pooler and NSP head."""
