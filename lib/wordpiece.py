@@ -178,17 +178,23 @@ class WordPiece:
                 self._cache[word] = hit
         return hit
 
-    def _pieces(self, text: str, which: int) -> list:
-        """Pieces (which=0) or ids (which=1) of a text: special tokens cut out first, then both passes."""
+    def _pieces(self, text: str, which: int, limit: int = None) -> list:
+        """Pieces (which=0) or ids (which=1) of a text: special tokens cut out first, then both passes.
+        With a limit, words past it are not looked at (a long document cut to 256 tokens)."""
         parts = self._special_re.split(text) if self._special_re else [text]
         out, cache = [], self._cache
         for i, part in enumerate(parts):
+            if limit is not None and len(out) >= limit:
+                break
             if i % 2:  # a special token found in the text
                 out.append(part if which == 0 else self.vocab[part])
                 continue
-            for word in self.basic_tokenize(part) if self.do_basic_tokenize else part.split():
+            words = self.basic_tokenize(part) if self.do_basic_tokenize else part.split()
+            if limit is not None:
+                words = words[: limit - len(out)]  # every word gives at least one piece
+            for word in words:
                 out += (cache.get(word) or self._word(word))[which]  # the lookup inlined: this loop is the hot path
-        return out
+        return out if limit is None else out[:limit]
 
     def tokenize(self, text: str) -> list:
         return self._pieces(text, 0)
@@ -198,14 +204,11 @@ class WordPiece:
 
     def encode(self, text: str, add_special_tokens=True, max_length=None) -> list:
         """Token ids; [CLS] ... [SEP] around them, cut so the whole fits max_length (the [SEP] stays)."""
-        ids = self._pieces(text, 1)
-        if add_special_tokens:
-            if max_length is not None:
-                if max_length < 2:
-                    raise ValueError(f"max_length {max_length} leaves no room for [CLS] and [SEP]")
-                ids = ids[: max_length - 2]
-            return [self.cls_id, *ids, self.sep_id]
-        return ids if max_length is None else ids[:max_length]
+        if max_length is not None and add_special_tokens and max_length < 2:
+            raise ValueError(f"max_length {max_length} leaves no room for [CLS] and [SEP]")
+        limit = None if max_length is None else max_length - 2 * add_special_tokens
+        ids = self._pieces(text, 1, limit)
+        return [self.cls_id, *ids, self.sep_id] if add_special_tokens else ids
 
     def batch(self, texts, max_length: int, pad_to: int = None):
         """(input_ids, attention_mask), both LongTensor [B, T]: each text encoded and cut to max_length,
