@@ -69,6 +69,18 @@ def test_encode_truncate_pad_decode(small):
     assert (small.cls_id, small.sep_id, small.pad_id, small.unk_id, small.mask_id, small.vocab_size) == (2, 3, 0, 1, 4, len(SMALL))
 
 
+def test_truncation_is_a_prefix_at_every_length(small):
+    """Cutting early (encode stops reading words once max_length is spent) gives the same ids as
+    encoding everything and cutting after: [CLS], a prefix of the pieces, [SEP]."""
+    rng = random.Random(0)
+    for _ in range(100):
+        text = "".join(rng.choice(["[MASK]", "un", "affable", " ", "é", "##", "xyz", ",", "中", "hello "]) for _ in range(rng.randint(0, 25)))
+        full = small.encode(text)
+        for n in range(2, len(full) + 2):
+            assert small.encode(text, max_length=n) == (full[: n - 1] + [small.sep_id] if n < len(full) else full)
+            assert small.encode(text, max_length=n, add_special_tokens=False) == full[1:-1][:n]
+
+
 # ---- against transformers (tests/fixtures/make_bert_golden.py wrote these) ----
 
 @pytest.fixture(scope="module")
