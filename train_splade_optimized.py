@@ -65,6 +65,9 @@ def main(argv=None):
         return run(args, parser, argv)
     except UserError as e:
         report_and_exit(e)
+    except KeyboardInterrupt:  # outside the training loop, which saves on its own Ctrl-C
+        print("\ninterrupted outside the training loop: nothing more was saved (what --output-dir holds is kept)", file=sys.stderr)
+        sys.exit(130)
 
 
 # --- device: fall back, or insist -----------------------------------------------------------------
@@ -204,8 +207,10 @@ def device_allocated(device):
 def make_after_step(args, device):
     def after_step(step, record):
         note = ""
-        if args.memory_efficient:  # drop this step's garbage before the next one allocates
-            gc.collect()
+        if args.memory_efficient:
+            # Drop this step's reference cycles before the next step allocates. Generations 0 and 1 take
+            # milliseconds; a full collection walks every object torch created and took 1.8 s here.
+            gc.collect(1)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
             elif device.type == "mps":

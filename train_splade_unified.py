@@ -39,6 +39,7 @@ import json
 import math
 import os
 import random
+import shutil
 import signal
 import sys
 import textwrap
@@ -71,27 +72,28 @@ def build_parser(description=None, out_dir=OUT_DIR):
         conflict_handler="resolve",  # train_splade_optimized.py redefines --grad-accum
     )
     g = p.add_argument_group("data")
-    g.add_argument("--train-file", help="JSON list or JSONL of {query, positive_document, negative_documents} "
-                   "(default: docstring -> code pairs from the running Python's standard library)")
-    g.add_argument("--val-file", help="same format; its documents form the retrieval pool for MRR@10 and recall "
-                   "(default: the stdlib set's held-out modules, or none with --train-file)")
-    g.add_argument("--max-length", type=guards.positive_int, default=128, help="documents are cut to this many tokens")
+    g.add_argument("--train-file", help="JSON list or JSONL of {query, positive_document, negative_documents}"
+                   "; none given: docstring -> code pairs from the running Python's standard library")
+    g.add_argument("--val-file", help="same format; its documents form the retrieval pool for MRR@10 and recall"
+                   "; none given: the stdlib set's held-out modules (none with --train-file)")
+    g.add_argument("--max-length", type=guards.positive_int, default=64,
+                   help="documents are cut to this many tokens (64 keeps the CPU demo in minutes; 256 or more for real text)")
     g.add_argument("--max-query-length", type=guards.positive_int, default=32, help="queries are cut to this many tokens")
     g.add_argument("--negatives-per-query", type=guards.nonneg_int, default=1,
                    help="hard negatives drawn per query and step from its negative_documents (0: in-batch only)")
     g = p.add_argument_group("model")
     g.add_argument("--model-name", "--init-from", dest="model_name",
                    help="a Hugging Face BERT/DistilBERT masked-LM (local directory or hub id, e.g. naver/splade_v2_distil); "
-                   "default: learn a WordPiece vocabulary and train a small BERT from scratch")
+                   "none given: learn a WordPiece vocabulary and train a small BERT from scratch")
     g.add_argument("--cache-dir", default=stdlib_data.default_cache_dir(), help="where hub downloads are kept")
     g.add_argument("--vocab-size", type=guards.positive_int, default=8192, help="from scratch: WordPiece entries to learn")
     g.add_argument("--hidden-size", type=guards.positive_int, default=128, help="from scratch: model width")
     g.add_argument("--num-layers", type=guards.positive_int, default=2, help="from scratch: transformer layers")
     g.add_argument("--num-heads", type=guards.positive_int, default=2, help="from scratch: attention heads")
-    g.add_argument("--dropout", type=guards.probability, help="dropout inside the encoder (default: the checkpoint's; 0.1 from scratch)")
+    g.add_argument("--dropout", type=guards.probability, help="dropout inside the encoder; none given: the checkpoint's, 0.1 from scratch")
     g = p.add_argument_group("optimisation")
     g.add_argument("--learning-rate", "--lr", dest="lr", type=guards.positive_float,
-                   help="peak learning rate (default: 5e-5 for a checkpoint, 1e-3 from scratch)")
+                   help="peak learning rate; none given: 5e-5 for a checkpoint, 1e-3 from scratch")
     g.add_argument("--batch-size", type=guards.positive_int, default=16, help="queries per micro-batch")
     g.add_argument("--grad-accum", type=guards.positive_int, default=1,
                    help="micro-batches per update, accumulated naively (each micro-batch sees only its own in-batch "
@@ -116,7 +118,7 @@ def build_parser(description=None, out_dir=OUT_DIR):
                    help="OUT keeps only the best validated model (a later, worse epoch is not saved)")
     g.add_argument("--eval-batch-size", type=guards.positive_int, default=64, help="texts per batch when encoding")
     g = p.add_argument_group("run")
-    g.add_argument("--device", choices=["cuda", "mps", "cpu"], help="default: cuda, then mps, then cpu")
+    g.add_argument("--device", choices=["cuda", "mps", "cpu"], help="where to train; none given: cuda, then mps, then cpu")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
     g.add_argument("--seed", type=int, default=42, help="seeds weights, data order, negatives and dropout")
@@ -126,8 +128,9 @@ def build_parser(description=None, out_dir=OUT_DIR):
     g.add_argument("--save-interval", type=guards.nonneg_int, default=0,
                    help="also save every N steps (0: at the end of each epoch only)")
     g.add_argument("--log-interval", type=guards.positive_int, default=10, help="steps between progress lines")
-    g.add_argument("--index", default="all", choices=["all", "val", "none"],
-                   help="documents put into the saved search index at the end: train + val, val only, or no index")
+    g.add_argument("--index", default="pool", choices=["pool", "all", "none"],
+                   help="documents in the search index saved at the end: the val pool (the training documents "
+                   "without val data), all train + val documents, or no index")
     g.add_argument("--estimate-memory", action="store_true", help="print the predicted memory breakdown and exit")
     guards.add_safety_flags(p)
     g = p.add_argument_group("search (no training)")
@@ -146,6 +149,9 @@ def main(argv=None):
         return run(args, parser, argv)
     except UserError as e:
         report_and_exit(e)
+    except KeyboardInterrupt:  # outside the training loop, which saves on its own Ctrl-C
+        print("\ninterrupted outside the training loop: nothing more was saved (what --output-dir holds is kept)", file=sys.stderr)
+        sys.exit(130)
 
 
 # --- data ---------------------------------------------------------------------------------------
@@ -497,6 +503,25 @@ def load_splade(name_or_dir, cache_dir=None):
     return model.eval(), tokenizer
 
 
+@torch.no_grad()
+def init_lexical(model):
+    """From scratch: start the MLM head as "each token predicts itself", so step 0 is a bag of words.
+
+    The decoder is tied to the word embeddings, so with the head's dense layer set to the identity a
+    position's strongest logit is its own token (e_t . e_t ~ H sigma^2 against noise of about
+    sigma^2 sqrt(H) for other entries, sigma = 0.02). A negative output bias of 3.5 noise standard
+    deviations then zeroes the other terms. Training starts from this lexical matcher and learns
+    term weights and expansion; from plain random weights a small model first has to discover that
+    words should match themselves, which takes far longer than the demo's few minutes.
+    """
+    dense = model.predictions.transform.dense
+    hidden = dense.weight.shape[0]
+    dense.weight.copy_(torch.eye(hidden))
+    noise = model.cfg.initializer_range * hidden ** 0.5  # std of e_j . x for |x| = sqrt(H) (LayerNorm output)
+    model.predictions.bias.fill_(-3.5 * noise)
+    return model
+
+
 def set_dropout(model, cfg, p):
     """Change a loaded model's dropout (the checkpoint's config sets it at build time)."""
     cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = p
@@ -602,7 +627,7 @@ def evaluate(model, tokenizer, val, args, amp):
     q = encode(model, tokenizer, queries, args.max_query_length, args.eval_batch_size, amp)
     result = retrieval_metrics(score(build_index(d), q, len(pool)), torch.tensor(relevant))
     result.update(val_q_terms=(q > 0).sum(1).float().mean().item(), val_d_terms=(d > 0).sum(1).float().mean().item())
-    return result
+    return result, d
 
 
 def metrics_text(m):
@@ -693,6 +718,10 @@ def run(args, parser=None, argv=None, variant=None):
     guards.check_cache_dir(args.cache_dir)
     if not args.estimate_memory:
         guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
+    if args.overwrite and not args.resume and not args.estimate_memory:
+        for name in ("best", INDEX_FILE, DOCUMENTS_FILE):  # what the run being replaced left, that this one may not write
+            path = os.path.join(args.out_dir, name)
+            shutil.rmtree(path) if os.path.isdir(path) else (os.remove(path) if os.path.isfile(path) else None)
     saved = None
     if args.resume:
         saved = checkpoint.load_training_state(args.out_dir)
@@ -724,11 +753,7 @@ def run(args, parser=None, argv=None, variant=None):
                               intermediate_size=4 * args.hidden_size, max_position_embeddings=512)
     else:
         model_dir = args.out_dir if args.resume else args.model_name
-        if not os.path.isdir(model_dir) and hub.is_hub_id(model_dir) and args.estimate_memory:
-            model_dir = hub.download(model_dir, ["config.json"], args.cache_dir, log=log)  # the shape is enough
-        elif not os.path.isdir(model_dir):
-            model_dir = bert.resolve(model_dir, args.cache_dir, log=log)
-        cfg = bert.read_config(model_dir)
+        cfg = bert.load_config(model_dir, args.cache_dir, log=log)  # a hub id: config.json alone, for now
     if args.dropout is not None:
         cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = args.dropout
     longest = max(args.max_length, args.max_query_length)
@@ -737,8 +762,7 @@ def run(args, parser=None, argv=None, variant=None):
                         f"use at most {cfg.max_position_embeddings}")
     lr = args.lr or (5e-5 if args.model_name else 1e-3)  # fine-tuning moves little; from scratch needs more
     k = args.negatives_per_query
-    with torch.device("meta"):
-        n_params = bert.num_params(bert.build_model(cfg))
+    n_params = bert.param_count(cfg)
     estimate = estimate_memory(cfg, n_params, args.batch_size, k, args.max_query_length, args.max_length,
                                device.type, amp is not None, **variant.estimate_kwargs)
     log(f"model: {cfg.model_type} {'from scratch' if from_scratch else 'from ' + model_dir}, {cfg.num_hidden_layers} "
@@ -780,7 +804,7 @@ def run(args, parser=None, argv=None, variant=None):
         cfg.vocab_size = tokenizer.vocab_size  # a small corpus can end below --vocab-size
         log(f"learned a WordPiece vocabulary of {tokenizer.vocab_size:,} entries from the training texts "
             f"in {time.perf_counter() - t0:.1f}s")
-        model = bert.init_weights(bert.build_model(cfg))
+        model = init_lexical(bert.init_weights(bert.build_model(cfg)))
     else:
         model, cfg, tokenizer = load_model_and_tokenizer(model_dir, args.cache_dir, log)
         if args.dropout is not None:
@@ -825,7 +849,8 @@ def run(args, parser=None, argv=None, variant=None):
 
     def validate(step):
         """Validate, keep the best model, and say whether to stop early."""
-        m = evaluate(model, tokenizer, val_data, args, amp)
+        m, last["pool_reps"] = evaluate(model, tokenizer, val_data, args, amp)
+        last.update(step=step, metrics=m)
         log(f"step {step} (epoch {step / steps_per_epoch:.2f}): val {metrics_text(m)}")
         mlog.log(step=step, epoch=step / steps_per_epoch, val=m)
         if run_state["first_metrics"] is None:
@@ -847,6 +872,7 @@ def run(args, parser=None, argv=None, variant=None):
         run_state["last_saved"] = step
         save_state(args.out_dir, optimizer, step, run_state, args)
 
+    last = {"step": None, "metrics": None, "pool_reps": None}  # the latest validation
     speed = metrics.Throughput(total_steps, start_step)
     next_step, stopped_early = start_step, False
     if val_data and start_step == 0:
@@ -920,14 +946,18 @@ def run(args, parser=None, argv=None, variant=None):
     else:
         # OUT holds the best model; the index and the report must describe that one.
         model.load_state_dict(bert.load_pretrained(args.out_dir, log=lambda *a: None)[0].state_dict())
+        last["step"] = None  # the model in memory changed
         log(f"--save-best-only: {args.out_dir} holds the best model, step {run_state['last_saved']}")
     log(f"saved {args.out_dir}: config.json, model.safetensors ({cfg.model_type} masked-LM, Hugging Face layout), "
         f"vocab.txt, tokenizer_config.json, training_state.pt")
-    index_docs = {"all": list(dict.fromkeys([*pool, *(t for ex in train for t in (ex.positive, *ex.negatives))])),
-                  "val": pool, "none": []}[args.index]
+    train_docs = list(dict.fromkeys(t for ex in train for t in (ex.positive, *ex.negatives)))
+    index_docs = {"all": list(dict.fromkeys([*pool, *train_docs])), "pool": pool or train_docs, "none": []}[args.index]
     if index_docs:
         t0 = time.perf_counter()
-        reps = encode(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp)
+        if index_docs is pool and last["step"] == step and last["pool_reps"] is not None:
+            reps = last["pool_reps"]  # the final validation has just encoded exactly these, with these weights
+        else:
+            reps = encode(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp)
         index = build_index(reps)
         save_index(args.out_dir, index, index_docs)
         log(f"indexed {len(index_docs):,} documents ({len(index['weights']) / len(index_docs):.0f} terms per document, "
@@ -938,7 +968,7 @@ def run(args, parser=None, argv=None, variant=None):
     peak = devices.peak_memory_bytes(device)
     log(memory_table(estimate, peak, f"measured ({devices.memory_label(device)})"))
     first = run_state["first_metrics"]
-    final = evaluate(model, tokenizer, val_data, args, amp) if val_data else None
+    final = last["metrics"] if last["step"] == step else (evaluate(model, tokenizer, val_data, args, amp)[0] if val_data else None)
     if final:
         log(f"val {monitor}: {first[monitor]:.4f} before training, {final[monitor]:.4f} now"
             + (f" (best {run_state['best']:.4f} at step {run_state['best_step']})" if run_state["best"] is not None else ""))

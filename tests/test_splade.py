@@ -16,7 +16,17 @@ from lib.errors import UserError
 
 # A tiny model: 2 layers, 64 wide, vocabulary learned up to 400 entries.
 TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400", "--max-length", "32",
-        "--max-query-length", "16", "--eval-batch-size", "64", "--log-interval", "1", "--device", "cpu"]
+        "--max-query-length", "16", "--eval-batch-size", "64", "--log-interval", "1", "--device", "cpu",
+        "--lr", "1e-2", "--warmup-steps", "4"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny matmuls gain nothing from threads, and on a shared 2-core machine threads fight."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 # --- the SPLADE pieces, by hand -------------------------------------------------------------------
@@ -222,20 +232,21 @@ def test_not_utf8_and_missing_file(tmp_path, capsys):
 
 
 # --- tiny end-to-end runs -----------------------------------------------------------------------------
-# A retrieval task a 2-layer model can learn in a few dozen steps: each document is a handful of
-# "topic" words; its query repeats two of them among filler words every query shares.
+# A retrieval task a 2-layer model learns in a few dozen steps, and that needs more than matching words:
+# a document is six topic words ("t17"); its query names one of them as it is and one by a synonym
+# ("s42" for "t42"), among filler words every query shares. The untrained model, a bag of words
+# (init_lexical), only matches the first; training has to learn the synonyms: SPLADE's expansion.
 def synthetic(n, seed):
     import random
 
     rng = random.Random(seed)
-    topics = [f"w{i}" for i in range(120)]
     filler = ["find", "the", "code", "that", "does", "about", "with"]
     records = []
     for i in range(n):
-        words = rng.sample(topics, 6)
-        doc = " ".join(words + rng.sample(filler, 3))
-        query = " ".join(rng.sample(filler, 3) + words[:2])
-        negs = [" ".join(rng.sample(topics, 4) + words[:1] + rng.sample(filler, 2))]
+        topics = rng.sample(range(60), 6)
+        doc = " ".join([f"t{t}" for t in topics] + rng.sample(filler, 2))
+        query = " ".join(rng.sample(filler, 3) + [f"t{topics[0]}", f"s{topics[1]}"])
+        negs = [" ".join([f"t{t}" for t in rng.sample(range(60), 5)] + [f"t{topics[0]}"])]
         records.append({"query": query, "positive_document": doc, "negative_documents": negs})
     return records
 
@@ -275,10 +286,15 @@ def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, dat
     assert "top terms" in text and "top 5 of" in text
     assert docs.index(query["positive_document"]) in [i for i, _ in found["results"]]
 
-    # a second fresh run into the same directory is refused; --overwrite replaces it
+    # a second fresh run into the same directory is refused
     with pytest.raises(SystemExit) as e:
         unified.main(["--train-file", train, "--out-dir", out, *TINY])
     assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
+
+    # the saved directory is a checkpoint like any Hugging Face one: fine-tune from it
+    tuned = unified.main(["--train-file", train, "--val-file", val, "--model-name", out, "--out-dir", str(tmp_path / "ft"),
+                          "--steps", "2", "--index", "none", *TINY])
+    assert tuned["first"]["mrr@10"] == pytest.approx(result["final"]["mrr@10"])  # the same model, the same pool
 
 
 def test_optimized_end_to_end_with_gradcache(tmp_path, data_files, capsys):
@@ -313,7 +329,7 @@ def test_resume_is_exact(tmp_path, data_files):
     def losses(d):
         return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "rank_loss" in r}
     a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert sorted(b) == list(range(6)) and all(a[s] == b[s] for s in range(6)), (a, b)
+    assert {3, 4, 5} <= set(b) and all(a[s] == b[s] for s in b), (a, b)  # step 2 ended in the interrupt, before its log line
     for (name, p), q in zip(straight["model"].state_dict().items(), resumed["model"].state_dict().values()):
         assert torch.equal(p, q), name
 
