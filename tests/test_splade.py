@@ -301,7 +301,7 @@ def test_optimized_end_to_end_with_gradcache(tmp_path, data_files, capsys):
     train, val = data_files
     out = str(tmp_path / "opt")
     result = optimized.main(["--train-file", train, "--val-file", val, "--out-dir", out, "--epochs", "3",
-                             "--batch-size", "4", "--gradient-accumulation-steps", "4", "--memory-efficient",
+                             "--batch-size", "8", "--gradient-accumulation-steps", "2", "--memory-efficient",
                              "--memory-tracking", "--memory-tracking-interval", "2", "--index", "none", *TINY])
     assert result["final"]["mrr@10"] > result["first"]["mrr@10"] + 0.1, (result["first"], result["final"])
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
