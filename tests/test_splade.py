@@ -382,3 +382,19 @@ def test_stdlib_default_set_is_split_by_module():
     ex = train[0]
     assert ex.positive.startswith(("def ", "async def ")) and '"""' not in ex.positive.split("\n")[1]
     assert ex.negatives and ex.positive not in ex.negatives
+
+
+def test_early_stopping_and_save_best_only(tmp_path, data_files):
+    from lib import checkpoint
+
+    train, val = data_files
+    out = str(tmp_path / "es")
+    # an improvement of 1.0 in MRR@10 is impossible: the first validation after step 0 sets the best,
+    # the next one is a miss and (patience 1) stops the run; OUT keeps the best, not the last.
+    result = unified.main(["--train-file", train, "--val-file", val, "--out-dir", out, "--epochs", "3",
+                           "--batch-size", "16", "--early-stopping", "--early-stopping-patience", "1",
+                           "--early-stopping-min-delta", "1.0", "--save-best-only", "--index", "none", *TINY])
+    assert result["step"] == 24 and result["best"] is not None
+    assert checkpoint.weights_step(os.path.join(out, "model.safetensors")) == 12
+    end = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))][-1]
+    assert end["stopped_early"] and end["best_step"] == 12
