@@ -826,6 +826,9 @@ def run(args, parser=None, argv=None, variant=None):
     log(f"tokenised {len(ids['q']):,} queries and {len(ids['d']):,} documents in {time.perf_counter() - t0:.1f}s")
 
     devices.reset_peak_memory(device)
+    # On CPU the peak below includes what the process already holds: the data, and the heap the
+    # vocabulary learning grew (Python rarely gives memory back). Say how much, beside the estimate.
+    resident_before = devices.peak_memory_bytes(device) if device.type == "cpu" else 0
     model.to(device)
     if variant.prepare_model:
         variant.prepare_model(model)
@@ -973,13 +976,17 @@ def run(args, parser=None, argv=None, variant=None):
     # --- report ------------------------------------------------------------------------------------
     peak = devices.peak_memory_bytes(device)
     log(memory_table(estimate, peak, f"measured ({devices.memory_label(device)})"))
+    if resident_before:
+        log(f"  (of the measured peak, {metrics.format_bytes(resident_before)} was resident before training started: "
+            f"Python, torch, the data and what tokenising it left; the estimate counts {metrics.format_bytes(estimate['runtime baseline'])})")
     first = run_state["first_metrics"]
     final = last["metrics"] if last["step"] == step else (evaluate(model, tokenizer, val_data, args, amp)[0] if val_data else None)
     if final:
         log(f"val {monitor}: {first[monitor]:.4f} before training, {final[monitor]:.4f} now"
             + (f" (best {run_state['best']:.4f} at step {run_state['best_step']})" if run_state["best"] is not None else ""))
     mlog.log(event="end", step=step, val=final, first_val=first, best=run_state["best"], best_step=run_state["best_step"],
-             stopped_early=stopped_early, peak_memory=peak, memory_estimate=sum(estimate.values()))
+             stopped_early=stopped_early, peak_memory=peak, memory_estimate=sum(estimate.values()),
+             resident_before_training=resident_before)
     return {"first": first, "final": final, "best": run_state["best"], "step": step, "peak_memory": peak,
             "estimate": estimate, "model": model, "tokenizer": tokenizer}
 
