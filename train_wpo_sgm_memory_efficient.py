@@ -77,7 +77,7 @@ def build_parser():
     g.add_argument("--stability", type=guards.positive_float, default=0.01,
                    help="eps in P = L L^T + eps I: every precision eigenvalue is at least eps")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--niters", "--steps", dest="niters", type=guards.nonneg_int, default=1500, help="optimizer steps in total")
+    g.add_argument("--niters", "--steps", dest="niters", type=guards.nonneg_int, default=1000, help="optimizer steps in total")
     g.add_argument("--batch_size", "--batch-size", dest="batch_size", type=guards.positive_int, default=128,
                    help="training samples per step")
     g.add_argument("--lr", type=guards.positive_float, default=3e-3, help="peak learning rate")
@@ -579,14 +579,15 @@ def load_cifar(data_dir, n_train, n_test, side, log):
 
 # --- sampling: exact draws from the mixture -----------------------------------------------------------
 @torch.no_grad()
-def sample(factornet, centres, eps, n, seed, block=256):
+def sample(factornet, centres, eps, n, seed):
     """Pick k uniformly, then x = mu_k + C_k^-T z with C_k C_k^T = P_k: Cov = C^-T C^-1 = P_k^-1."""
     g = torch.Generator().manual_seed(seed)
     k = torch.randint(len(centres), (n,), generator=g)
     z = torch.randn(n, centres.shape[1], generator=g)
     out = []
     eye = torch.eye(centres.shape[1], device=centres.device)
-    for i in range(0, n, block):  # a block of samples at a time: block x D x D floats
+    block = max(1, min(4096, 2**22 // centres.shape[1] ** 2))  # samples at a time: about 4M floats of factors
+    for i in range(0, n, block):
         mu = centres[k[i:i + block].to(centres.device)]
         L = factor_matrices(factornet(mu), centres.shape[1])
         C = torch.linalg.cholesky(L @ L.mT + eps * eye)

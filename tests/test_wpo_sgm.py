@@ -46,7 +46,7 @@ def test_closed_form_score_and_laplacian_match_autograd():
     d, eps = 3, 0.05
     net = random_model(d, dtype=torch.float64)
     centres = torch.randn(5, d, dtype=torch.float64)
-    x = torch.randn(6, d, dtype=torch.float64) * 1.5
+    x = torch.randn(3, d, dtype=torch.float64) * 1.5
     grad, lap = w.score_and_laplacian(net, x, centres, eps)
     for b in range(len(x)):
         def logp(v):
@@ -231,8 +231,8 @@ def measured(cfg):
 
 
 @pytest.mark.parametrize("cfg", [
-    {"strategy": "single_gpu", "dim": 96, "centres": 512, "batch": 8, "steps": 2},
-    {"strategy": "chunked", "dim": 96, "centres": 1024, "chunk": 128, "batch": 8, "steps": 2},
+    {"strategy": "single_gpu", "dim": 96, "centres": 512, "batch": 8, "steps": 1},
+    {"strategy": "chunked", "dim": 96, "centres": 512, "chunk": 128, "batch": 8, "steps": 1},
 ], ids=["single_gpu", "chunked"])
 def test_memory_estimate_within_25_percent_of_measured_peak_rss(cfg):
     r = measured(cfg)
@@ -297,11 +297,6 @@ def test_resume_and_ctrl_c_continue_exactly(tmp_path, monkeypatch):
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
 
 
-def run_cli(*args):
-    return subprocess.run([sys.executable, "train_wpo_sgm_memory_efficient.py", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=60, env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")
@@ -343,9 +338,11 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "plan: single_gpu" in out and "total (predicted peak)" in out
     assert result["plan"].strategy == "single_gpu" and not (tmp_path / "o").exists()
-    proc = run_cli("--help")
-    assert proc.returncode == 0 and "--batch_size BATCH_SIZE, --batch-size BATCH_SIZE" in proc.stdout
-    assert "(default: 1500)" in proc.stdout or "(default: " in proc.stdout
+    with pytest.raises(SystemExit) as e:
+        w.main(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "--batch_size BATCH_SIZE, --batch-size BATCH_SIZE" in out
+    assert "--niters NITERS, --steps NITERS" in out and "(default: 1000)" in out
 
 
 def test_one_cycle_schedule_matches_torch():
