@@ -366,8 +366,8 @@ def estimate_memory(shape: Shape, plan: Plan, baseline: int = 0) -> dict:
         f"per-sample terms ({micro} x {chunk} x D)": FLOATS_PER_SAMPLE_CENTRE_D * micro * chunk * d * FP32,
         "factornet hidden activations": 4 * chunk * shape.depth * shape.hidden * FP32,
     }
-    if n_chunks > 1:  # what checkpointing keeps per chunk: its outputs and the running combine
-        est[f"chunk statistics ({n_chunks} chunks x B x D)"] = 3 * n_chunks * micro * (d + 3) * FP32
+    if n_chunks > 1:  # what the running combine keeps per chunk for backward: its rescaling factors
+        est[f"combine factors ({n_chunks} chunks x B)"] = 3 * n_chunks * micro * FP32
     if baseline:
         est["runtime baseline (measured)"] = baseline
         est["runtime: first step's kernels and threads"] = CPU_STEP_OVERHEAD
@@ -694,9 +694,10 @@ def run(args, parser, argv=None):
     if args.resume:
         saved = load(args.out_dir)
         guards.check_resume_flags(json.loads(saved[1]["args"]), args, parser, FIXED_FLAGS, CHANGEABLE_FLAGS, argv=argv)
-    dist_info = distributed.setup(device.type) if world > 1 and not (args.dry_run or args.estimate_memory) else distributed.DistInfo()
+    planning_only = args.dry_run or args.estimate_memory  # no process group needed to print a plan
+    dist_info = distributed.setup(device.type) if world > 1 and not planning_only else distributed.DistInfo()
     device = distributed.device_for(dist_info, device)
-    log = print if dist_info.is_main else (lambda *a, **k: None)
+    log = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)
 
     # --- the memory plan ------------------------------------------------------------------------------
     dim = 3 * args.image_size ** 2 if args.data == "cifar10" else (6 if args.data == "swissroll_6D_xy1" else 2)
@@ -708,8 +709,9 @@ def run(args, parser, argv=None):
     if args.estimate_memory or args.dry_run:
         log(f"D = {dim}, K = {shape.centres}, batch {shape.batch}, factornet {shape.n_params:,} parameters, "
             f"device {device} ({metrics.format_bytes(available) if available else 'unknown'} {what}), {world} rank(s)")
-        log(f"{'single_gpu':>22}: {metrics.format_bytes(sum(estimate_memory(shape, Plan('single_gpu', None, 1, world), baseline).values()))}"
-            f" for all {-(-shape.centres // world)} centres at once (per rank)")
+        at_once = sum(estimate_memory(shape, Plan("single_gpu", None, 1, world), baseline).values())
+        log(f"all {-(-shape.centres // world)} centres at once would need {metrics.format_bytes(at_once)}"
+            + (" per rank" if world > 1 else ""))
         log(f"plan: {describe_plan(plan, shape)} ({plan.reason})")
         log(format_table(estimate))
         return {"plan": plan, "estimate": estimate}
