@@ -16,7 +16,8 @@ glibc keeps freed blocks of up to 32 MiB in its heap, and the peak then depends 
 history: --glibc-default measures that way too (the chunked peak then grows with the number of chunks).
 Targets (the issue's): at a fixed chunk size, quadrupling K raises the chunked peak by at most 10%;
 a chunked step costs at most 1.5x a single_gpu step where both fit; the estimate is within 25% of
-the measured peak.
+the measured peak. model_parallel runs under torchrun (gloo on CPU); its row is the rank with the
+higher peak, and its estimate is the per-rank one.
 """
 
 import argparse
@@ -37,17 +38,21 @@ def measure(cfg):
     import train_wpo_sgm_memory_efficient as w
     from lib import device as devices
 
+    from lib import distributed
+
     device = devices.pick_device(cfg.get("device"))
     baseline = w.runtime_baseline(device)  # after the imports, before any data or model: as the script measures it
+    info = distributed.setup(device.type) if cfg["strategy"] == "model_parallel" else distributed.DistInfo()
+    device = distributed.device_for(info, device)
     d, k, b = cfg["dim"], cfg["centres"], cfg.get("batch", 64)
     n = max(k, cfg.get("train_samples", k))
     shape = w.Shape(d, k, b, n, cfg.get("depth", 2), cfg.get("hidden", 64))
-    plan = w.Plan(cfg["strategy"], cfg.get("chunk"), cfg.get("accumulation_steps", 1), 1)
+    plan = w.Plan(cfg["strategy"], cfg.get("chunk"), cfg.get("accumulation_steps", 1), info.world_size)
     estimate = w.estimate_memory(shape, plan, baseline)
     devices.reset_peak_memory(device)
     torch.manual_seed(0)
     train_x = torch.randn(n, d, device=device) * 0.5
-    centres = train_x[:k]
+    centres = train_x[:k].tensor_split(info.world_size)[info.rank]  # model_parallel: this rank's share
     net = w.FactorNet(d, shape.depth, shape.hidden).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
     times = []
@@ -62,7 +67,8 @@ def measure(cfg):
         times.append(time.perf_counter() - t)
     peak = devices.peak_memory_bytes(device)
     total = sum(estimate.values())
-    return {**cfg, "device": str(device), "step_s": min(times[1:] or times), "peak_bytes": peak,
+    distributed.cleanup(info)
+    return {**cfg, "device": str(device), "rank": info.rank, "world_size": info.world_size, "step_s": min(times[1:] or times), "peak_bytes": peak,
             "baseline_bytes": baseline, "estimate_bytes": total, "estimate_over_peak": round(total / peak, 3),
             "peak_above_baseline": peak - baseline, "estimate_above_baseline": total - baseline}
 
@@ -99,14 +105,20 @@ def time_interleaved(cfg):
 
 def measure_in_subprocess(cfg, timeout=600, glibc_default=False):
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if not glibc_default:
+    if not glibc_default and "strategies" not in cfg:
+        # Memory only: a fresh mapping per large block costs page faults, which would slow the
+        # strategy that allocates most often (chunked) in the timings.
         env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     mode = "--time" if "strategies" in cfg else "--one"
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), mode, json.dumps(cfg)], cwd=ROOT, env=env,
+    launch = [sys.executable]
+    if cfg.get("strategy") == "model_parallel":  # one process per rank; each prints its own figures
+        launch += ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={cfg['ranks']}"]
+    proc = subprocess.run([*launch, os.path.abspath(__file__), mode, json.dumps(cfg)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
         return {**cfg, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return max(results, key=lambda r: r.get("peak_bytes", 0))  # model_parallel: the rank with the highest peak
 
 
 def main(argv=None):
@@ -117,11 +129,12 @@ def main(argv=None):
     p.add_argument("--ks", type=int, nargs="+", default=[64, 256, 1024], help="numbers of centres K")
     p.add_argument("--chunk", type=int, default=32, help="chunk size for chunked")
     p.add_argument("--steps", type=int, default=2, help="training steps per configuration (time: the fastest after the first)")
+    p.add_argument("--ranks", type=int, default=2, help="torchrun processes for model_parallel")
     p.add_argument("--rounds", type=int, default=5, help="timing rounds per K (strategies take turns; the fastest counts)")
     p.add_argument("--glibc-default", action="store_true", help="leave glibc's malloc thresholds alone (see above)")
     p.add_argument("--batch", type=int, default=64, help="batch size")
-    p.add_argument("--strategies", nargs="+", default=["single_gpu", "chunked", "gradient_accumulation"],
-                   help="strategies to run (model_parallel needs torchrun: see tests/test_wpo_sgm.py)")
+    p.add_argument("--strategies", nargs="+", default=["single_gpu", "chunked", "gradient_accumulation", "model_parallel"],
+                   help="strategies to run (model_parallel is launched with torchrun, --ranks CPU processes, gloo)")
     p.add_argument("--device", help="cuda, mps or cpu")
     args = p.parse_args(argv)
     if args.one:
@@ -139,6 +152,8 @@ def main(argv=None):
                 cfg["chunk"] = args.chunk
             if strategy == "gradient_accumulation":
                 cfg["accumulation_steps"] = 4
+            if strategy == "model_parallel":
+                cfg["ranks"] = args.ranks
             rows.append(measure_in_subprocess(cfg, glibc_default=args.glibc_default))
             print(json.dumps(rows[-1]), file=sys.stderr)
     timings = []
