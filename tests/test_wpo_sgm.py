@@ -222,22 +222,25 @@ def test_original_cifar_arithmetic():
     assert sum(chunked.values()) < sum(est.values()) / 20
 
 
-def measured(cfg):
+def test_memory_estimate_within_25_percent_of_measured_peak_rss():
+    # One subprocess measures three sizes in turn. MALLOC_MMAP_THRESHOLD_ makes glibc map every block
+    # over 128 KiB on its own and return it when freed, so each size's peak RSS follows its tensors
+    # (bench/wpo_sgm.py explains; the first step's runtime overhead is then counted once).
+    cfgs = [{"strategy": "chunked", "dim": 96, "centres": 768, "chunk": 96, "batch": 8, "steps": 1},
+            {"strategy": "gradient_accumulation", "dim": 24, "centres": 1024, "batch": 256, "accumulation_steps": 2,
+             "steps": 1},
+            {"strategy": "single_gpu", "dim": 96, "centres": 384, "batch": 8, "steps": 1}]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run([sys.executable, "bench/wpo_sgm.py", "--one", json.dumps(cfg)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run([sys.executable, "bench/wpo_sgm.py", "--one", json.dumps(cfgs)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-@pytest.mark.parametrize("cfg", [
-    {"strategy": "single_gpu", "dim": 96, "centres": 512, "batch": 8, "steps": 1},
-    {"strategy": "chunked", "dim": 96, "centres": 512, "chunk": 128, "batch": 8, "steps": 1},
-], ids=["single_gpu", "chunked"])
-def test_memory_estimate_within_25_percent_of_measured_peak_rss(cfg):
-    r = measured(cfg)
-    assert r["peak_above_baseline"] > 0.3 * r["peak_bytes"]  # the model, not the runtime, dominates
-    assert abs(r["estimate_bytes"] - r["peak_bytes"]) <= 0.25 * r["peak_bytes"], r
+    rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    assert [r["strategy"] for r in rows] == [c["strategy"] for c in cfgs]
+    for r in rows:
+        assert abs(r["estimate_bytes"] - r["peak_bytes"]) <= 0.25 * r["peak_bytes"], r
+        # Stricter, and what makes the test able to fail: the part above the baseline, the model's own.
+        assert r["peak_above_baseline"] > 50 * 2**20, r
+        assert abs(r["estimate_above_baseline"] - r["peak_above_baseline"]) <= 0.25 * r["peak_above_baseline"], r
 
 
 # --- end to end -----------------------------------------------------------------------------------
@@ -245,24 +248,25 @@ MODES = np.array([(math.cos(a), math.sin(a)) for a in np.arange(8) * math.pi / 4
 
 
 def test_8gaussians_learns_and_samples_land_on_the_modes(tmp_path):
-    result = w.main(["--niters", "250", "--train_kernel_size", "100", "--batch_size", "64", "--lr", "5e-3",
-                     "--depth", "3", "--eval-interval", "250", "--log-interval", "50", "--num-samples", "800",
-                     "--out-dir", str(tmp_path)])
+    result = w.main(["--niters", "150", "--train_kernel_size", "64", "--batch_size", "64", "--lr", "1e-2",
+                     "--depth", "2", "--hiddenunits", "32", "--eval-interval", "150", "--log-interval", "50",
+                     "--num-samples", "800", "--out-dir", str(tmp_path)])
     records = read_metrics(tmp_path)
     losses = [r["loss"] for r in records if "loss" in r and "event" not in r]
-    assert len(losses) == 250
-    assert np.mean(losses[-50:]) < np.mean(losses[:20]) - 2.0
+    assert len(losses) == 150
+    assert np.mean(losses[-30:]) < np.mean(losses[:10]) - 2.0
     tests = [r["test_loss"] for r in records if "test_loss" in r and "event" not in r]
     assert tests[-1] < tests[0] - 2.0
     samples = np.load(tmp_path / "samples.npy")
     assert samples.shape == (800, 2)
     dist = np.linalg.norm(samples[:, None, :] - MODES[None], axis=2)
     assert np.mean(dist.min(1) < 1.5) > 0.9  # each mode has standard deviation 0.35
-    assert np.bincount(dist.argmin(1), minlength=8).min() > 0.05 * 800  # and none is missed
+    # None is missed (a mode gets the share of the 64 centres that fell on it, 1/8 on average).
+    assert np.bincount(dist.argmin(1), minlength=8).min() > 0.02 * 800
     assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl", "model.safetensors", "samples.npy",
                                             "samples.png", "training_state.pt"]
     weights = load_file(tmp_path / "model.safetensors")
-    assert weights["centres"].shape == (100, 2) and "factornet.out.weight" in weights
+    assert weights["centres"].shape == (64, 2) and "factornet.out.weight" in weights
     assert decode_png((tmp_path / "samples.png").read_bytes()).shape == (480, 480, 3)
     assert records[0]["seed"] == 0 and records[-1]["event"] == "end" and result["peak_memory"] > 0
 
