@@ -137,7 +137,7 @@ class Tokenizer:
     def __init__(self, model_dir, ranks, rank_to_id, pattern, added, special_ids, nfc, config, prefix_ids,
                  template, files):
         self.model_dir, self.config, self.files = model_dir, config, files
-        self.nfc, self.prefix_ids, self.template = nfc, prefix_ids, template or ""
+        self.nfc, self.prefix_ids, self.template, self.pattern = nfc, prefix_ids, template or "", pattern
         self.added = dict(added)                      # content -> id, every added token
         self.special_ids = set(special_ids)           # ids that skip_special_tokens drops
         # tiktoken returns ranks; specials get ranks after the mergeable ones. to_id maps back.
