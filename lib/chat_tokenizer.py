@@ -63,12 +63,15 @@ def _token_bytes(token: str, where: str) -> bytes:
                         f"only byte-level BPE tokenizers (GPT-2, Qwen2, Llama 3) are supported") from None
 
 
-def ranks_from_merges(vocab: dict[str, int], merges: list, where: str):
-    """({bytes: rank}, [id for each rank]) from a byte-level vocab and its merge list.
+def ranks_from_merges(vocab: dict[str, int], merges: list, where: str, ignore_merges: bool = False):
+    """({bytes: rank}, [id for each rank], {id: bytes} of the rest) from a byte-level vocab and merges.
 
     Single bytes get ranks 0..255; the token a merge makes gets 256 + the merge's position (its
     priority). A token made by two merges keeps the first (transformers would never reach it
-    through the later one before the earlier).
+    through the later one before the earlier). Vocabulary entries no merge makes are never produced
+    by transformers' BPE, so they get no rank (only decode knows them), unless the file says
+    ignore_merges (Llama 3): then a whole word found in the vocabulary is one token, which is what
+    tiktoken does for any word that has a rank.
     """
     singles = sorted((i, _token_bytes(t, where)) for t, i in vocab.items() if len(t) == 1 and t in _U2B)
     if len(singles) != 256:
@@ -86,7 +89,16 @@ def ranks_from_merges(vocab: dict[str, int], merges: list, where: str):
         if token not in ranks:
             ranks[token] = len(rank_to_id)
             rank_to_id.append(vocab[a + b])
-    return ranks, rank_to_id
+    reached, rest = set(rank_to_id), {}
+    for t, i in vocab.items():
+        if i not in reached:
+            b = bytes(_U2B[c] for c in t) if all(c in _U2B for c in t) else t.encode("utf-8")
+            if ignore_merges and b not in ranks:
+                ranks[b] = len(rank_to_id)
+                rank_to_id.append(i)
+            else:
+                rest[i] = b
+    return ranks, rank_to_id, rest
 
 
 def _read_json(path: str):
@@ -134,7 +146,7 @@ def llama3_system_preamble(template: str, date_string: str | None) -> str | None
 class Tokenizer:
     """encode / decode / apply_chat_template for one model directory (see load_tokenizer)."""
 
-    def __init__(self, model_dir, ranks, rank_to_id, pattern, added, special_ids, nfc, config, prefix_ids,
+    def __init__(self, model_dir, ranks, rank_to_id, rest, pattern, added, special_ids, nfc, config, prefix_ids,
                  template, files):
         self.model_dir, self.config, self.files = model_dir, config, files
         self.nfc, self.prefix_ids, self.template, self.pattern = nfc, prefix_ids, template or "", pattern
@@ -147,7 +159,7 @@ class Tokenizer:
         self.identity = self.to_id == list(range(len(self.to_id)))
         self.enc = tiktoken.Encoding(name=f"hf:{model_dir}", pat_str=pattern, mergeable_ranks=ranks,
                                      special_tokens=specials_tt)
-        self.id_to_bytes = {}
+        self.id_to_bytes = dict(rest)  # vocabulary entries no merge produces: decode only
         for b, r in ranks.items():
             self.id_to_bytes[rank_to_id[r]] = b
         for s, i in self.added.items():
@@ -335,7 +347,8 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
             if tok.get("special"):
                 special_ids.append(tok["id"])
         vocab = {t: i for t, i in model["vocab"].items() if t not in added}
-        ranks, rank_to_id = ranks_from_merges(vocab, model.get("merges") or [], where)
+        ranks, rank_to_id, rest = ranks_from_merges(vocab, model.get("merges") or [], where,
+                                                    bool(model.get("ignore_merges")))
         pattern = _pattern_from_pre_tokenizer(tj.get("pre_tokenizer"), where)
         nfc = _normalizer_is_nfc(tj.get("normalizer"), where)
         prefix = _prefix_from_post_processor(tj.get("post_processor"), added)
@@ -344,7 +357,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
         vocab = {t: i for t, i in _read_json(path("vocab.json")).items() if t not in added}
         with open(where, encoding="utf-8") as f:
             merges = [line.rstrip("\n") for line in f if line.strip() and not line.startswith("#version")]
-        ranks, rank_to_id = ranks_from_merges(vocab, merges, where)
+        ranks, rank_to_id, rest = ranks_from_merges(vocab, merges, where)
         qwen = config.get("tokenizer_class", "").startswith("Qwen2")
         pattern, nfc = (QWEN2_PATTERN, True) if qwen else (GPT2_PATTERN, False)
         if config.get("add_bos_token") and config.get("bos_token"):
@@ -352,7 +365,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     elif os.path.isfile(path("tokenizer.model")):
         where = path("tokenizer.model")
         ranks = load_tiktoken_ranks(where)
-        rank_to_id = list(range(len(ranks)))
+        rank_to_id, rest = list(range(len(ranks))), {}
         if not added:  # Meta's own layout: no tokenizer_config, the specials follow the ranks
             added = {s: len(ranks) + k for k, s in enumerate(LLAMA3_SPECIALS)}
             added.update({f"<|reserved_special_token_{k}|>": len(ranks) + k + 9 for k in range(2, 256 - 9)})
@@ -364,7 +377,19 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     else:
         raise UserError(f"{model_dir} has no tokenizer.json, vocab.json + merges.txt or tokenizer.model; "
                         f"pass a complete Hugging Face model directory")
-    merged_ids = set(rank_to_id)
+    # bos/eos/pad named in tokenizer_config.json but kept in the vocabulary (GPT-2's <|endoftext|>):
+    # transformers treats them as special tokens, so do we.
+    for key in ("bos_token", "eos_token", "pad_token"):
+        tok = _content(config.get(key))
+        if tok is not None and tok not in added:
+            b = tok.encode("utf-8")
+            i = next((i for i, v in rest.items() if v == b), None)
+            if i is None and b in ranks and len(b) > 1:
+                i = rank_to_id[ranks.pop(b)]
+            if i is not None:
+                added[tok] = i
+                special_ids.append(i)
+    merged_ids = {rank_to_id[r] for r in ranks.values()}
     for s, i in added.items():
         if i in merged_ids:
             raise UserError(f"{model_dir}: added token {s!r} has id {i}, which a merged token also has")
@@ -374,7 +399,8 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
     if os.path.isfile(path("chat_template.jinja")):  # transformers >= 4.50 saves it beside the config
         with open(path("chat_template.jinja"), encoding="utf-8") as f:
             template = f.read()
-    return Tokenizer(model_dir, ranks, rank_to_id, pattern, added, special_ids, nfc, config, prefix, template, files)
+    return Tokenizer(model_dir, ranks, rank_to_id, rest, pattern, added, special_ids, nfc, config, prefix,
+                     template, files)
 
 
 def load_tiktoken_ranks(path: str) -> dict[bytes, int]:

@@ -375,7 +375,7 @@ class Llama(nn.Module):
             nxt = logits[:, -1].argmax(-1)
             if len(stops):
                 nxt = torch.where(done, stops[0], nxt)
-                done = done | torch.isin(nxt, stops)
+                done = done | (nxt[:, None] == stops[None]).any(-1)
             out = torch.cat((out, nxt[:, None]), dim=1)
             attention_mask = torch.cat((attention_mask, attention_mask.new_ones(b, 1)), dim=1)
             step_ids, step_pos = nxt[:, None], step_pos[:, -1:] + 1

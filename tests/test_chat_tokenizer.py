@@ -102,8 +102,8 @@ def test_gpt2_at_full_scale_against_transformers():
         golden = json.load(f)
     tj = maker.gpt2_tokenizer_json(gpt2_tokenizer.RANKS_PATH, list(base64.b64decode(golden["splits"])))
     assert len(tj["model"]["merges"]) == golden["n_merges"] == 50000
-    ranks, rank_to_id = ct.ranks_from_merges(tj["model"]["vocab"] | {}, tj["model"]["merges"], "gpt2")
-    assert rank_to_id == list(range(50256))  # GPT-2's ids are its merge order
+    ranks, rank_to_id, rest = ct.ranks_from_merges(tj["model"]["vocab"], tj["model"]["merges"], "gpt2")
+    assert rank_to_id == list(range(50256)) and rest == {50256: b"<|endoftext|>"}  # ids are the merge order
     enc = tiktoken.Encoding("t", pat_str=ct.GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
     reference = gpt2_tokenizer.get_encoding()
     for text, ids in zip(golden["texts"], golden["ids"]):
@@ -256,3 +256,23 @@ def test_clear_errors(tmp_path, tiny):
     tok = ct.load_tokenizer(str(tiny_dir))
     with pytest.raises(ValueError, match="message 0 needs string 'role' and 'content'"):
         tok.apply_chat_template([{"role": "user"}])
+
+
+def test_unmerged_vocabulary_entries_ignore_merges_and_eos_kept_in_the_vocab(tiny, tmp_path):
+    tok, d = tiny
+    tj = json.load(open(d / "tokenizer.json", encoding="utf-8"))
+    tj["model"]["vocab"]["\u0120zqzq"] = 300  # " zqzq": no merge makes it
+    tj["model"]["vocab"]["<|eos|>"] = 301  # a vocabulary entry tokenizer_config names as eos
+    cfg = json.load(open(d / "tokenizer_config.json"))
+    cfg["eos_token"] = "<|eos|>"
+    out = tmp_path / "extra"
+    out.mkdir()
+    json.dump(cfg, open(out / "tokenizer_config.json", "w"))
+    for ignore in (False, True):
+        tj["model"]["ignore_merges"] = ignore
+        json.dump(tj, open(out / "tokenizer.json", "w", encoding="utf-8"), ensure_ascii=False)
+        t = ct.load_tokenizer(str(out))
+        ids = t.encode("a zqzq<|eos|>")
+        assert (300 in ids) == ignore  # transformers' BPE never reaches it unless the word is looked up whole
+        assert ids[-1] == 301 and t.eos_token_id == 301 and t.decode(ids) == "a zqzq<|eos|>"
+        assert t.decode([300]) == " zqzq" and t.decode(ids, skip_special_tokens=True) == "a zqzq"

@@ -257,6 +257,8 @@ def test_hub_download_of_a_sharded_model_with_optional_files(tmp_path, monkeypat
     shutil.copytree(os.path.join(GOLDEN, "models", "qwen2_untied_sharded"), repo)
     shutil.copy(os.path.join(GOLDEN, "tokenizers", "qwen2", "tokenizer.json"), repo)
     shutil.copy(os.path.join(GOLDEN, "tokenizers", "qwen2", "tokenizer_config.json"), repo)
+    single = www / "org" / "tiny-llama" / "resolve" / "main"
+    shutil.copytree(os.path.join(GOLDEN, "models", "llama_tied"), single)
     requests, auth = [], []
 
     class Handler(http.server.SimpleHTTPRequestHandler):
@@ -286,6 +288,8 @@ def test_hub_download_of_a_sharded_model_with_optional_files(tmp_path, monkeypat
         b = llama.load_pretrained(os.path.join(GOLDEN, "models", "qwen2_untied_sharded"), log=quiet)
         x = torch.tensor([[1, 2, 3]])
         assert torch.equal(a(x), b(x))
+        one = llama.resolve_model("org/tiny-llama", str(tmp_path / "cache"), log=quiet)  # single file
+        assert sorted(f for f in os.listdir(one) if not f.startswith(".")) == sorted(os.listdir(single))
     finally:
         server.shutdown()
         server.server_close()
