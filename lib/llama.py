@@ -545,12 +545,49 @@ def save_pretrained(model: Llama, cfg: LlamaConfig, out_dir: str, dtype=None) ->
     os.makedirs(out_dir, exist_ok=True)
     d = config_to_hf(cfg)
     d["torch_dtype"] = str(next(iter(tensors.values())).dtype).replace("torch.", "")
+    if "dtype" in d:  # transformers 5 spells it "dtype"; keep both true
+        d["dtype"] = d["torch_dtype"]
     save_json(os.path.join(out_dir, "config.json"), d)
     atomic_write(os.path.join(out_dir, "model.safetensors"),
                  lambda p: save_file(tensors, p, metadata={"format": "pt"}))
 
 
 # --- where the files come from ----------------------------------------------------------------------
+# The shapes of the models the judge scripts name, from each hub repository's config.json, so that
+# --estimate-memory works before (and without) a download.
+KNOWN_CONFIGS = {
+    "Qwen/Qwen2-1.5B-Instruct": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_hidden_layers=28,
+        num_attention_heads=12, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "Qwen/Qwen2.5-3B-Instruct": dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
+        num_attention_heads=16, num_key_value_heads=2, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151645),
+    "meta-llama/Llama-3.2-1B-Instruct": dict(
+        model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                      "original_max_position_embeddings": 8192},
+        max_position_embeddings=131072, tie_word_embeddings=True, bos_token_id=128000,
+        eos_token_id=[128001, 128008, 128009]),
+}
+
+
+def config_for_estimate(name_or_dir: str, cache_dir: str) -> LlamaConfig:
+    """The model's shape without downloading weights: a directory's config.json, a cached hub copy's,
+    or KNOWN_CONFIGS for the named models."""
+    if os.path.isdir(name_or_dir):
+        return read_config(name_or_dir)
+    cached = os.path.join(cache_dir, "hub", name_or_dir.replace("/", "--"), "main")
+    if os.path.isfile(os.path.join(cached, "config.json")):
+        return read_config(cached)
+    if name_or_dir in KNOWN_CONFIGS:
+        return LlamaConfig(**KNOWN_CONFIGS[name_or_dir])
+    raise UserError(f"--model {name_or_dir!r} is not downloaded yet, so its size is unknown; run once without "
+                    f"--estimate-memory to download it, or pass a local model directory")
+
+
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 OFFLINE_HINT = "pass a local model directory, or --model tiny for the offline demo"

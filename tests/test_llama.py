@@ -293,3 +293,15 @@ def test_hub_download_of_a_sharded_model_with_optional_files(tmp_path, monkeypat
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_known_configs_have_the_published_sizes(tmp_path):
+    sizes = {"Qwen/Qwen2-1.5B-Instruct": 1.54e9, "Qwen/Qwen2.5-3B-Instruct": 3.09e9,
+             "meta-llama/Llama-3.2-1B-Instruct": 1.24e9}
+    for name, n in sizes.items():
+        cfg = llama.config_for_estimate(name, str(tmp_path))
+        params = sum(math.prod(s) for s in llama.expected_shapes(cfg).values())
+        assert abs(params - n) / n < 0.01, (name, params)
+    assert llama.config_for_estimate(os.path.join(GOLDEN, "models", "qwen2"), str(tmp_path)).hidden_size == 32
+    with pytest.raises(UserError, match="not downloaded yet"):
+        llama.config_for_estimate("someone/else", str(tmp_path))
