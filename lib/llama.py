@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lib import hub
+from lib.chat_tokenizer import TOKENIZER_FILES  # downloaded beside the weights
 from lib.errors import UserError
 from lib.nf4 import LinearNF4, replace_submodule
 
@@ -588,9 +589,7 @@ def config_for_estimate(name_or_dir: str, cache_dir: str) -> LlamaConfig:
                     f"--estimate-memory to download it, or pass a local model directory")
 
 
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
-                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
-OFFLINE_HINT = "pass a local model directory, or --model tiny for the offline demo"
+OFFLINE_HINT = "--model tiny runs the offline demo without any download"
 
 
 def resolve_model(name_or_dir: str, cache_dir: str, log=print) -> str:
