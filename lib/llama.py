@@ -23,7 +23,6 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lib import hub
-from lib.chat_tokenizer import TOKENIZER_FILES  # downloaded beside the weights
 from lib.errors import UserError
 from lib.nf4 import LinearNF4, replace_submodule
 
@@ -589,6 +588,10 @@ def config_for_estimate(name_or_dir: str, cache_dir: str) -> LlamaConfig:
                     f"--estimate-memory to download it, or pass a local model directory")
 
 
+# What transformers reads besides the weights (the same list as lib/chat_tokenizer.TOKENIZER_FILES,
+# kept here so the decoder does not depend on the tokenizer module).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
 OFFLINE_HINT = "--model tiny runs the offline demo without any download"
 
 
