@@ -297,3 +297,36 @@ def test_prompt_tokens_are_a_prefix_of_the_conversation_tokens(name):
     prompt = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
     full = tok.apply_chat_template(msgs, tokenize=True)
     assert (full[:len(prompt)] == prompt) == name.startswith("llama")
+
+
+def test_train_bpe_equals_the_textbook_loop():
+    """The incremental trainer learns the same merges as recounting every pair after every merge."""
+    from collections import Counter
+    texts = TRAIN + ["aaaa abab aaaa ababab la la la land", "\u00e9t\u00e9 \u00e9t\u00e9 caf\u00e9s"]
+    words = Counter()
+    for text in texts:
+        for w in ct._TRAIN_SPLIT.findall(text):
+            words[tuple(bytes([b]) for b in w.encode())] += 1
+    want = []
+    while 256 + len(want) < 330:
+        pairs = Counter()
+        for w, n in words.items():
+            for pair in zip(w, w[1:]):
+                pairs[pair] += n
+        best = min(pairs, key=lambda p: (-pairs[p], p)) if pairs else None
+        if best is None or pairs[best] < 2:
+            break
+        want.append(best)
+        merged = Counter()
+        for w, n in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if w[i:i + 2] == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] += n
+        words = merged
+    assert ct.train_bpe(texts, 330) == want and len(want) > 40
