@@ -347,7 +347,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
             added.setdefault(tok["content"], tok["id"])
             if tok.get("special"):
                 special_ids.append(tok["id"])
-        vocab = {t: i for t, i in model["vocab"].items() if t not in added}
+        vocab = {t: i for t, i in (model.get("vocab") or {}).items() if t not in added}
         ranks, rank_to_id, rest = ranks_from_merges(vocab, model.get("merges") or [], where,
                                                     bool(model.get("ignore_merges")))
         pattern = _pattern_from_pre_tokenizer(tj.get("pre_tokenizer"), where)
@@ -361,7 +361,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
         ranks, rank_to_id, rest = ranks_from_merges(vocab, merges, where)
         qwen = config.get("tokenizer_class", "").startswith("Qwen2")
         pattern, nfc = (QWEN2_PATTERN, True) if qwen else (GPT2_PATTERN, False)
-        if config.get("add_bos_token") and config.get("bos_token"):
+        if config.get("add_bos_token") and _content(config.get("bos_token")) in added:
             prefix = [added[_content(config["bos_token"])]]
     elif os.path.isfile(path("tokenizer.model")):
         where = path("tokenizer.model")
@@ -373,7 +373,7 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
             special_ids = list(added.values())
             config = {"bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>", **config}
         pattern = LLAMA3_PATTERN
-        if config.get("bos_token"):
+        if _content(config.get("bos_token")) in added:
             prefix = [added[_content(config["bos_token"])]]
     else:
         raise UserError(f"{model_dir} has no tokenizer.json, vocab.json + merges.txt or tokenizer.model; "
