@@ -393,7 +393,14 @@ def build_model(cfg: LlamaConfig, seed: int | None = None, dtype=torch.float32, 
     """A randomly initialised model (transformers' N(0, 0.02) init), e.g. the offline demo model."""
     if seed is not None:
         torch.manual_seed(seed)
-    return Llama(cfg).to(device=device, dtype=dtype)
+    # Built directly on the device in the dtype: a 3B bench model never exists twice.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Llama(cfg)
+    finally:
+        torch.set_default_dtype(default)
 
 
 # --- loading and saving in the Hugging Face layout --------------------------------------------------
