@@ -7,6 +7,7 @@ huggingface_hub: HF_ENDPOINT (a mirror) and HF_HUB_OFFLINE=1 (never touch the ne
 Nothing here runs unless the user names a hub id.
 """
 
+import json
 import os
 import re
 import urllib.error
@@ -127,8 +128,6 @@ def download_optional(repo_id: str, filenames, cache_dir: str, revision: str = "
 
     A 404 is remembered in .absent.json beside the files. With HF_HUB_OFFLINE only the cache is used.
     """
-    import json
-
     repo_id = ALIASES.get(repo_id, repo_id)
     local = os.path.join(cache_dir, "hub", repo_id.replace("/", "--"), revision)
     absent_path = os.path.join(local, ABSENT)
@@ -160,10 +159,8 @@ def download_model(repo_id: str, cache_dir: str, optional=(), revision: str = "m
     """config.json, the safetensors weights (one file, or model.safetensors.index.json and every shard it
     names) and whichever `optional` files exist; return the local directory.
 
-    `hint` is appended to any error (e.g. "or --model tiny for the offline demo").
+    `hint` is appended to any error (e.g. "--model tiny runs the offline demo").
     """
-    import json
-
     try:
         local = download(repo_id, ["config.json"], cache_dir, revision, log)
         if "model.safetensors.index.json" in download_optional(repo_id, ["model.safetensors.index.json"],
@@ -176,6 +173,9 @@ def download_model(repo_id: str, cache_dir: str, optional=(), revision: str = "m
                 raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); delete it and download again") from None
             download(repo_id, shards, cache_dir, revision, log)
         else:
+            if not offline() and not download_optional(repo_id, ["model.safetensors"], cache_dir, revision, log):
+                raise UserError(f"{repo_id} has neither model.safetensors nor model.safetensors.index.json; "
+                                f"only safetensors checkpoints can be loaded")
             download(repo_id, ["model.safetensors"], cache_dir, revision, log)
         download_optional(repo_id, list(optional), cache_dir, revision, log)
     except UserError as e:

@@ -290,6 +290,11 @@ def test_hub_download_of_a_sharded_model_with_optional_files(tmp_path, monkeypat
         assert torch.equal(a(x), b(x))
         one = llama.resolve_model("org/tiny-llama", str(tmp_path / "cache"), log=quiet)  # single file
         assert sorted(f for f in os.listdir(one) if not f.startswith(".")) == sorted(os.listdir(single))
+        bin_only = www / "org" / "old" / "resolve" / "main"
+        bin_only.mkdir(parents=True)
+        shutil.copy(single / "config.json", bin_only)
+        with pytest.raises(UserError, match="org/old has neither model.safetensors nor .*--model tiny"):
+            llama.resolve_model("org/old", str(tmp_path / "cache"), log=quiet)
     finally:
         server.shutdown()
         server.server_close()
