@@ -82,8 +82,15 @@ def config_from_hf(d: dict, where: str = "config.json") -> LlamaConfig:
     if model_type not in ARCHITECTURES or any(a not in ARCHITECTURES.values() for a in archs):
         raise UserError(f"{where} describes model_type {model_type!r} {archs}; only LlamaForCausalLM and "
                         f"Qwen2ForCausalLM checkpoints are supported; pick a Llama or Qwen2 model")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if not isinstance(d.get(k), int)]
+    if missing:
+        raise UserError(f"{where} has no integer {missing[0]}; re-download or fix config.json")
     known = {f.name for f in fields(LlamaConfig)} - {"extra", "rope_scaling", "rope_theta"}
     kw = {k: d[k] for k in known if d.get(k) is not None}
+    # transformers' defaults where the file is silent (ours suit the tiny demo model instead)
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    kw.setdefault("tie_word_embeddings", False)
     # transformers 5 writes {"rope_parameters": {"rope_type", "rope_theta", ...}}; 4.x rope_theta + rope_scaling.
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     kw["rope_theta"] = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))

@@ -233,6 +233,10 @@ def test_clear_errors_for_wrong_model_files(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match=r"tensor model.layers.0.mlp.(gate|up|down)_proj.weight has shape"):
         llama.load_pretrained(str(d), log=quiet)
+    del cfg["intermediate_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="config.json has no integer intermediate_size"):
+        llama.load_pretrained(str(d), log=quiet)
     cfg["intermediate_size"], cfg["num_hidden_layers"] = 64, 3
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="tensor model.layers.2.* is missing"):
