@@ -97,6 +97,10 @@ def config_from_hf(d: dict, where: str = "config.json") -> LlamaConfig:
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear"):
         raise UserError(f"{where} asks for rope_type {rope_type!r}; supported are default, linear and llama3")
+    need = {"default": (), "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[rope_type]
+    if any(not isinstance(rope.get(k), (int, float)) for k in need):
+        raise UserError(f"{where}: rope scaling {rope_type} needs numbers for {', '.join(need)}; fix config.json")
     kw["rope_scaling"] = None if rope_type == "default" else {**rope, "rope_type": rope_type}
     if model_type == "qwen2" and d.get("use_sliding_window"):
         raise UserError(f"{where} turns on use_sliding_window; sliding-window attention is not supported")

@@ -243,6 +243,18 @@ def test_clear_errors_for_wrong_model_files(tmp_path):
         llama.load_pretrained(str(d), log=quiet)
 
 
+def test_config_errors():
+    base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert llama.config_from_hf(base).num_key_value_heads == 2 and not llama.config_from_hf(base).tie_word_embeddings
+    with pytest.raises(UserError, match="rope scaling llama3 needs numbers for factor, low_freq_factor"):
+        llama.config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(UserError, match="rope_type 'yarn'; supported are default, linear and llama3"):
+        llama.config_from_hf({**base, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(UserError, match="use_sliding_window"):
+        llama.config_from_hf({**base, "model_type": "qwen2", "use_sliding_window": True})
+
+
 def test_hub_id_offline_and_not_a_model(tmp_path, monkeypatch):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     with pytest.raises(UserError, match="HF_HUB_OFFLINE.*--model tiny"):
