@@ -77,7 +77,7 @@ def build_parser():
     g.add_argument("--stability", type=guards.positive_float, default=0.01,
                    help="eps in P = L L^T + eps I: every precision eigenvalue is at least eps")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--niters", "--steps", dest="niters", type=guards.nonneg_int, default=1000, help="optimizer steps in total")
+    g.add_argument("--niters", "--steps", dest="niters", type=guards.nonneg_int, default=600, help="optimizer steps in total")
     g.add_argument("--batch_size", "--batch-size", dest="batch_size", type=guards.positive_int, default=128,
                    help="training samples per step")
     g.add_argument("--lr", type=guards.positive_float, default=3e-3, help="peak learning rate")
@@ -598,8 +598,12 @@ def sample(factornet, centres, eps, n, seed):
 
 def picture(path, data, samples, image_side=None):
     """Samples against data: a scatter of the first two coordinates, or two image grids (data | samples)."""
-    if image_side is None:
-        img = png.scatter([data[:, :2], samples[:, :2]], colors=(png.GREY, png.RED), size=480)
+    if image_side is None:  # two panels on the data's scale: data (grey), samples (red)
+        lo, hi = data[:, :2].min(0), data[:, :2].max(0)
+        centre, half = (lo + hi) / 2, float((hi - lo).max()) / 2 * 1.15 + 1e-9
+        bounds = (centre[0] - half, centre[0] + half, centre[1] - half, centre[1] + half)
+        img = png.side_by_side(png.scatter([data[:, :2]], colors=(png.GREY,), size=400, bounds=bounds),
+                               png.scatter([samples[:, :2]], colors=(png.RED,), size=400, bounds=bounds), gap=16)
     else:
         def grid(x):
             x = np.asarray(x[:64]).reshape(-1, 3, image_side, image_side).transpose(0, 2, 3, 1)
@@ -847,7 +851,7 @@ def run(args, parser, argv=None):
         pic = os.path.join(args.out_dir, "samples.png")
         picture(pic, train_np, samples, args.image_size if args.data == "cifar10" else None)
         log(f"saved {args.out_dir}/config.json, model.safetensors (factornet + centres), {STATE}, "
-            f"samples.npy ({len(samples)} samples) and samples.png ({'grey: data, red: samples' if args.data != 'cifar10' else 'left: data, right: samples'})")
+            f"samples.npy ({len(samples)} samples) and samples.png (left: data, right: samples)")
 
     # --- report -------------------------------------------------------------------------------------------
     peak = devices.peak_memory_bytes(device)

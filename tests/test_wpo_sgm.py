@@ -267,7 +267,7 @@ def test_8gaussians_learns_and_samples_land_on_the_modes(tmp_path):
                                             "samples.png", "training_state.pt"]
     weights = load_file(tmp_path / "model.safetensors")
     assert weights["centres"].shape == (64, 2) and "factornet.out.weight" in weights
-    assert decode_png((tmp_path / "samples.png").read_bytes()).shape == (480, 480, 3)
+    assert decode_png((tmp_path / "samples.png").read_bytes()).shape == (400, 816, 3)
     assert records[0]["seed"] == 0 and records[-1]["event"] == "end" and result["peak_memory"] > 0
 
 
@@ -346,7 +346,7 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
         w.main(["--help"])
     out = capsys.readouterr().out
     assert e.value.code == 0 and "--batch_size BATCH_SIZE, --batch-size BATCH_SIZE" in out
-    assert "--niters NITERS, --steps NITERS" in out and "(default: 1000)" in out
+    assert "--niters NITERS, --steps NITERS" in out and "(default: 600)" in out
 
 
 def test_one_cycle_schedule_matches_torch():
