@@ -127,10 +127,13 @@ CHANGEABLE_FLAGS = ["niters", "lr", "weight_decay", "scheduler_type", "grad_clip
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    threads = torch.get_num_threads()
     try:
         return run(args, parser, argv)
     except UserError as e:
         report_and_exit(e)
+    finally:
+        torch.set_num_threads(threads)  # run() lowers it for toy sets; a caller (a test) keeps its own
 
 
 # --- the mixture: factornet, the factors L_k, and the closed-form score-matching loss ------------
@@ -724,6 +727,10 @@ def run(args, parser, argv=None):
                         "lower --chunk_size or --batch_size, use --strategy chunked or more ranks")
 
     # --- data ---------------------------------------------------------------------------------------
+    if device.type == "cpu" and dim <= 16 and "OMP_NUM_THREADS" not in os.environ:
+        # Toy-set tensors are a few KB: splitting each op across threads costs more than it saves,
+        # and on a busy machine waiting for a descheduled thread costs far more (set OMP_NUM_THREADS to choose).
+        torch.set_num_threads(1)
     devices.seed_everything(args.seed)
     if args.data == "cifar10":
         train_np, test_np = load_cifar(args.data_dir, args.train_samples_size, args.test_samples_size, args.image_size, log)

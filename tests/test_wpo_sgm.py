@@ -304,7 +304,12 @@ def test_resume_and_ctrl_c_continue_exactly(tmp_path, monkeypatch):
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")
+    cifar = tmp_path / "cifar-10-batches-bin"
+    cifar.mkdir()
+    (cifar / "data_batch_1.bin").write_bytes(b"")  # present: the memory check comes before any reading
     cases = [
+        (["--data", "cifar10", "--data-dir", str(cifar), "--train_kernel_size", "1000", "--train_samples_size", "1000",
+          "--strategy", "single_gpu", "--out-dir", str(tmp_path / "big")], "or pass --force"),
         (["--niters", "-1"], "--niters"),
         (["--stability", "nan"], "--stability"),
         (["--data", "mnist"], "invalid choice"),
