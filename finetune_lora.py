@@ -66,7 +66,7 @@ def run(args, parser, argv=None):
     # --- base model configuration, and every check that needs no work ------------------------------
     # Paths, the run saved in --out-dir (--resume continues it, nothing replaces it without
     # --overwrite), the base's config.json, --resume's flags, the --adapter files: all before any work.
-    state, settings, model_dir, cfg = finetune.resolve_run(args, parser, argv, log)
+    state, settings, cfg = finetune.resolve_run(args, parser, argv, log)
     block_size = args.block_size or cfg.block_size
     if block_size > cfg.block_size:
         raise UserError(f"--block-size {block_size} exceeds the base model's {cfg.block_size} positions; use at most {cfg.block_size}")
@@ -74,8 +74,8 @@ def run(args, parser, argv=None):
         raise UserError(f"vocabulary mismatch: the base has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer needs "
                         f"{tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
     tokens_per_step = args.batch_size * block_size * args.grad_accum
-    log(f"base: {model_dir or args.init_from or finetune.DEFAULT_BASE} ({cfg.n_layer} layers, {cfg.n_head} heads, "
-        f"{cfg.n_embd} wide), block weights in {base_name}; LoRA r={settings['r']} "
+    log(f"base: {state['base'] if state else args.init_from or finetune.DEFAULT_BASE} ({cfg.n_layer} layers, "
+        f"{cfg.n_head} heads, {cfg.n_embd} wide), block weights in {base_name}; LoRA r={settings['r']} "
         f"alpha={settings['alpha']:g} on {', '.join(settings['targets'])}; device {device}, "
         f"{finetune.dtype_name(amp)}{' autocast' if amp else ''}; {tokens_per_step:,} tokens per step")
     estimate = memory.estimate_lora_finetuning(cfg, args.batch_size, block_size, device.type, amp is not None, base_name,
@@ -85,6 +85,7 @@ def run(args, parser, argv=None):
         return estimate
     guards.check_memory(sum(estimate.values()), device, args.force, "lower --batch-size or --block-size, adapt fewer "
                         "--lora-targets, or hold the base in 4 bits with finetune_qlora.py")
+    model_dir = finetune.base_weights(args, state, cfg, log)  # a hub id's weights are downloaded now
 
     # --- data -------------------------------------------------------------------------------------
     data_dir = data.prepare(args.data, args.cache_dir, log=log)

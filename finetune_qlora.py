@@ -103,7 +103,7 @@ def run(args, parser, argv=None):
     # --- base model configuration, and every check that needs no work ------------------------------
     # Paths, the run saved in --out-dir (--resume continues it, nothing replaces it without
     # --overwrite), the base's config.json, --resume's flags, the --adapter files: all before any work.
-    state, settings, model_dir, cfg = finetune.resolve_run(args, parser, argv, log,
+    state, settings, cfg = finetune.resolve_run(args, parser, argv, log,
                                                            fixed=["nf4_block_size", "no_double_quant", "lora_dtype"])
     block_size = args.block_size or cfg.block_size
     if block_size > cfg.block_size:
@@ -112,8 +112,8 @@ def run(args, parser, argv=None):
         raise UserError(f"vocabulary mismatch: the base has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer needs "
                         f"{tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
     tokens_per_step = args.batch_size * block_size * args.grad_accum
-    log(f"base: {model_dir or args.init_from or finetune.DEFAULT_BASE} ({cfg.n_layer} layers, {cfg.n_head} heads, "
-        f"{cfg.n_embd} wide), block weights in NF4 (blocks of {args.nf4_block_size}, double quantisation "
+    log(f"base: {state['base'] if state else args.init_from or finetune.DEFAULT_BASE} ({cfg.n_layer} layers, "
+        f"{cfg.n_head} heads, {cfg.n_embd} wide), block weights in NF4 (blocks of {args.nf4_block_size}, double quantisation "
         f"{'on' if double_quant else 'off'}); LoRA r={settings['r']} alpha={settings['alpha']:g} on "
         f"{', '.join(settings['targets'])} in {lora_name}; device {device}, "
         f"{'fp32 or bf16 (timed before training)' if probe_cpu_dtype else finetune.dtype_name(amp) + (' autocast' if amp else '')}; "
@@ -130,6 +130,7 @@ def run(args, parser, argv=None):
     # fp32's estimate when --dtype auto has not timed the CPU yet: the larger of the two.
     guards.check_memory(sum(estimate_for(amp).values()), device, args.force,
                         "lower --batch-size or --block-size, or pick a smaller base")
+    model_dir = finetune.base_weights(args, state, cfg, log)  # a hub id's weights are downloaded now
 
     # --- data -------------------------------------------------------------------------------------
     data_dir = data.prepare(args.data, args.cache_dir, log=log)

@@ -126,10 +126,13 @@ def check_arguments(args):
 
 
 def check_paths(args):
-    """--cache-dir always (an estimate may download config.json), --out-dir when the run writes there."""
+    """--cache-dir always (an estimate may download config.json); --out-dir and --data for a real run."""
     guards.check_cache_dir(args.cache_dir)
     if not args.estimate_memory:
         guards.check_output_dir(args.out_dir)
+        if args.data not in ("stdlib", "stdlib-tests") and not os.path.exists(args.data):
+            raise UserError(f"--data {args.data!r} does not exist; pass a text file, a directory of text files, a "
+                            f"prepared shard directory or stdlib-tests")
 
 
 # --- the base model -------------------------------------------------------------------------------
@@ -157,9 +160,10 @@ def read_config(model_dir: str) -> gpt.GPTConfig:
                         f"checkpoint") from None
 
 
-def config_for_estimate(init_from, cache_dir, log=print) -> gpt.GPTConfig:
-    """The base's shape without its weights: the known GPT-2 sizes by name, else config.json only."""
-    if init_from in gpt.MODEL_SIZES and not os.path.isdir(init_from):
+def config_for_estimate(init_from, cache_dir, log=print, known_sizes=True) -> gpt.GPTConfig:
+    """The base's shape without its weights: the published GPT-2 sizes by name (known_sizes: no
+    network at all), else config.json only (a hub id's weights are not downloaded)."""
+    if known_sizes and init_from in gpt.MODEL_SIZES and not os.path.isdir(init_from):
         return gpt.GPTConfig(**gpt.MODEL_SIZES[init_from])
     if init_from and not os.path.isdir(init_from):
         return read_config(hub.resolve_pretrained(init_from, cache_dir, filenames=("config.json",), log=log))
@@ -186,7 +190,21 @@ def _read_header(path: str):
     for name, entry in header.items():
         if entry.get("dtype") not in _SAFETENSORS_DTYPES:
             raise UserError(f"{path}: tensor {name} has dtype {entry.get('dtype')}; a GPT-2 checkpoint holds float tensors")
+    if 8 + n + max((e["data_offsets"][1] for e in header.values()), default=0) > os.path.getsize(path):
+        raise UserError(f"{path} is truncated (its tensors end past the end of the file); download or save it again")
     return header, 8 + n
+
+
+def check_base_weights(model_dir: str, cfg: gpt.GPTConfig):
+    """model.safetensors present, whole, and of the names and shapes config.json implies, from its
+    header alone: a wrong or truncated file fails in a moment, before any work."""
+    path = os.path.join(model_dir, checkpoint.WEIGHTS)
+    header, data_start = _read_header(path)
+    shapes = {}
+    for hf_name, entry in header.items():
+        shapes.update(gpt.from_hf_state_dict({hf_name: torch.empty(entry["shape"], device="meta")}))
+    checkpoint.check_state_dict(shapes, cfg, path)
+    return header, data_start
 
 
 def _read_tensor(f, entry: dict, data_start: int) -> torch.Tensor:
@@ -213,12 +231,7 @@ def load_base(model_dir: str, device, convert_linear=None) -> gpt.GPT:
     cfg = read_config(model_dir)
     cfg.dropout = 0.0
     path = os.path.join(model_dir, checkpoint.WEIGHTS)
-    header, data_start = _read_header(path)
-    # Names and shapes are checked before any weight is read: a wrong file fails in a moment.
-    shapes = {}
-    for hf_name, entry in header.items():
-        shapes.update(gpt.from_hf_state_dict({hf_name: torch.empty(entry["shape"], device="meta")}))
-    checkpoint.check_state_dict(shapes, cfg, path)
+    header, data_start = check_base_weights(model_dir, cfg)  # names and shapes before any weight is read
 
     with torch.device("meta"):
         model = gpt.GPT(cfg)
@@ -404,30 +417,37 @@ RESUME_CHANGEABLE = ["steps", "lr", "min_lr_ratio", "warmup_steps", "grad_clip",
 
 def resolve_run(args, parser, argv=None, log=print, fixed=()):
     """Everything both scripts check before any work, in order: the paths; the saved run in --out-dir
-    (continued with --resume, else never replaced without --overwrite); the base model (its
-    config.json only: under --estimate-memory its weights are not even downloaded), which nothing
-    here ever writes into; the flags --resume was given again; the --adapter files.
-    `fixed` names the script's own flags that --resume must not change.
-    Returns (saved training state or None, LoRA settings, base directory or None, GPTConfig)."""
+    (continued with --resume, else never replaced without --overwrite); the base model's config.json
+    (a hub id's weights are not downloaded yet: the memory check comes first); the flags --resume was
+    given again; the --adapter files. `fixed` names the script's own flags --resume must not change.
+    Returns (saved training state or None, LoRA settings, the base's GPTConfig)."""
     check_paths(args)
     state = checkpoint.load_training_state(args.out_dir) if args.resume else None
     if not args.resume and not args.estimate_memory:
         refuse_to_replace(args)
-    if args.estimate_memory:
-        model_dir, cfg = None, config_for_estimate(state["base"] if state else args.init_from, args.cache_dir, log)
-    else:
-        if state is not None and not os.path.isdir(state["base"]):
-            raise UserError(f"--resume: the base of the run in {args.out_dir}, {state['base']}, no longer exists; "
-                            f"restore it or start a new run")
-        model_dir = state["base"] if state else resolve_base(args.init_from, args.cache_dir, log)
-        cfg = read_config(model_dir)
-        check_not_base(args, model_dir)
+    if state is not None and not args.estimate_memory and not os.path.isdir(state["base"]):
+        raise UserError(f"--resume: the base of the run in {args.out_dir}, {state['base']}, no longer exists; "
+                        f"restore it or start a new run")
+    init_from = state["base"] if state else args.init_from
+    cfg = config_for_estimate(init_from, args.cache_dir, log, known_sizes=args.estimate_memory)
+    if not args.estimate_memory and (init_from is None or os.path.isdir(init_from)):
+        check_not_base(args, init_from or DEFAULT_BASE)  # a hub id's cache directory: once it is downloaded
     if state is not None:
         check_resume_flags(state, args, parser, argv, cfg, fixed, log)
-        return state, state["lora"], model_dir, cfg
+        return state, state["lora"], cfg
     if args.adapter:
-        return None, check_adapter(args.adapter, cfg), model_dir, cfg
-    return None, lora_settings(args), model_dir, cfg
+        return None, check_adapter(args.adapter, cfg), cfg
+    return None, lora_settings(args), cfg
+
+
+def base_weights(args, state, cfg, log=print) -> str:
+    """The base directory with its weights: downloaded now for a hub id (after the memory check), the
+    saved run's for --resume. model.safetensors is checked from its header: whole, of the shapes
+    config.json gives, and not where this run writes."""
+    model_dir = state["base"] if state else resolve_base(args.init_from, args.cache_dir, log)
+    check_base_weights(model_dir, cfg)
+    check_not_base(args, model_dir)
+    return model_dir
 
 
 def refuse_to_replace(args):

@@ -21,6 +21,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from lib.checkpoint import atomic_write  # temporary name, then rename; the umask's mode
 from lib.nf4 import LinearNF4, dequantize_linear, replace_submodule
 
 PEFT_PREFIX = "base_model.model."
@@ -138,21 +139,6 @@ def _infer_targets(all_names: list[str], wrapped: list[str]) -> list[str]:
     return sorted(wrapped)
 
 
-def _atomic_write(path: str, write) -> None:
-    # Write beside the destination, then rename: a crash never leaves half a file. The file gets
-    # the mode open() would give it (0666 minus the umask), not the 0600 safetensors creates.
-    tmp = os.path.join(os.path.dirname(path) or ".", f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        mask = os.umask(0)  # the only way to read the umask is to set it; put it straight back
-        os.umask(mask)
-        os.chmod(tmp, 0o666 & ~mask)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-
-
 def save_adapter(model: nn.Module, out_dir: str, config_dict: dict | None = None) -> dict:
     """Write adapter_config.json + adapter_model.safetensors (PEFT layout) to out_dir.
 
@@ -203,14 +189,14 @@ def save_adapter(model: nn.Module, out_dir: str, config_dict: dict | None = None
 
     os.makedirs(out_dir, exist_ok=True)
     tensors = adapter_state_dict(model)
-    _atomic_write(os.path.join(out_dir, WEIGHTS_NAME),
+    atomic_write(os.path.join(out_dir, WEIGHTS_NAME),
                   lambda p: save_file(tensors, p, metadata={"format": "pt"}))
 
     def write_json(p):
         with open(p, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
-    _atomic_write(os.path.join(out_dir, CONFIG_NAME), write_json)
+    atomic_write(os.path.join(out_dir, CONFIG_NAME), write_json)
     return config
 
 
