@@ -310,7 +310,7 @@ def check_adapter(adapter_dir: str, cfg: gpt.GPTConfig) -> dict:
         want = adapter_shapes(cfg, settings["targets"], settings["r"])
     except UserError as e:
         fail(str(e))
-    for key, t in tensors.items():
+    for key, t in sorted(tensors.items()):
         if key not in want:
             fail(f"{path} key {key!r} is not a LoRA matrix of the layers its config targets "
                  f"({', '.join(settings['targets'])}) in this base; use the adapter made for this base")
