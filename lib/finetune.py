@@ -423,6 +423,9 @@ def resolve_run(args, parser, argv=None, log=print, fixed=()):
     Returns (saved training state or None, LoRA settings, the base's GPTConfig)."""
     check_paths(args)
     state = checkpoint.load_training_state(args.out_dir) if args.resume else None
+    if state is not None and not {"lora", "base", "trainable"} <= set(state):
+        raise UserError(f"--resume: {os.path.join(args.out_dir, checkpoint.STATE)} is not a fine-tuning run's state "
+                        f"(train.py's?); pass the --out-dir of a finetune_lora.py or finetune_qlora.py run")
     if not args.resume and not args.estimate_memory:
         refuse_to_replace(args)
     if state is not None and not args.estimate_memory and not os.path.isdir(state["base"]):
@@ -481,6 +484,10 @@ def check_resume_flags(state: dict, args, parser, argv, cfg, fixed=(), log=print
     saved value; a changed schedule or interval is printed. Compared with what the run really used:
     the adapter's LoRA settings (also when it started from --adapter) and the base's block size."""
     saved = json.loads(state.get("args") or "{}")
+    made_by = "finetune_qlora.py" if "nf4_block_size" in saved else "finetune_lora.py"
+    if saved and ("nf4_block_size" in saved) != hasattr(args, "nf4_block_size"):
+        raise UserError(f"--resume: the run in {args.out_dir} was made by {made_by} (its base is "
+                        f"{'NF4' if made_by == 'finetune_qlora.py' else 'not quantised'}); continue it with {made_by}")
     lora_saved = state["lora"]
     saved.update(lora_r=lora_saved["r"], lora_alpha=lora_saved["alpha"], lora_dropout=lora_saved["dropout"],
                  lora_targets=lora_saved["targets"], rslora=lora_saved["rslora"])

@@ -162,6 +162,11 @@ def test_resume_refuses_contradicting_flags_and_reports_changed_ones(ft, done, b
     fails(capsys, lambda: ft("lora", out, "--resume", "--block-size", "16"), "--block-size 16 contradicts", "(--block-size 32)")
     fails(capsys, lambda: ft("lora", out, "--resume", init_from=os.path.join(out, "merged")), "--init-from", base)
     fails(capsys, lambda: ft("lora", out, "--resume", "--overwrite"), "pass one of them")
+    fails(capsys, lambda: ft("qlora", out, "--resume"), "was made by finetune_lora.py", "continue it with finetune_lora.py")
+    pretrained = tmp_path / "pretrained"  # what train.py leaves: a training state without LoRA in it
+    pretrained.mkdir()
+    torch.save({"step": 3, "optimizer": {}}, pretrained / "training_state.pt")
+    fails(capsys, lambda: ft("lora", pretrained, "--resume", init_from=None), "is not a fine-tuning run's state")
     assert snapshot(out) == before
     capsys.readouterr()
     # Given again with the saved value, or not given: fine. Steps and learning rate may change, and say so.
