@@ -87,6 +87,7 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
                    help="seeds A's initialisation, the batches, dropout and sampling")
     g.add_argument("--out-dir", default=out_dir, help="adapter (PEFT layout), training state and metrics.jsonl")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --out-dir")
+    guards.add_safety_flags(g)  # --overwrite, --force
     g.add_argument("--eval-interval", type=guards.positive_int, default=50, help="steps between held-out losses")
     g.add_argument("--eval-batches", type=guards.positive_int, default=10, help="batches per held-out loss")
     g.add_argument("--save-interval", type=guards.positive_int, default=100,
@@ -96,7 +97,6 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
                    help="peak FLOP/s of the device, for MFU; when not given, looked up for known GPUs")
     g.add_argument("--estimate-memory", action="store_true", help="print the predicted memory breakdown and exit "
                    "(reads config.json only; a hub id is not downloaded)")
-    guards.add_safety_flags(p)
     g = p.add_argument_group("sample")
     g.add_argument("--sample-tokens", type=guards.nonneg_int, default=100,
                    help="tokens to sample before and after (0: none)")
