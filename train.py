@@ -124,17 +124,6 @@ def check_args(args):
         guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
 
 
-def check_init_from_shape(cfg, args, given):
-    """--init-from brings its own shape: shape flags may repeat it, not contradict it."""
-    want = dict(gpt.MODEL_SIZES[args.model_size]) if "model_size" in given else {}
-    want.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if k in given})
-    for key, value in want.items():
-        if key != "block_size" and value != getattr(cfg, key):
-            flag = f"--model-size {args.model_size}" if key not in given else f"--{key.replace('_', '-')} {value}"
-            raise UserError(f"{flag} contradicts --init-from {args.init_from}, whose {key} is {getattr(cfg, key)}; "
-                            f"drop the shape flags (only --block-size may shorten the sequence)")
-
-
 @torch.no_grad()
 def evaluate(model, batches, n_batches, device, amp, dist_info):
     """Mean loss over the same n_batches validation batches every time, however many ranks share them."""
@@ -193,7 +182,7 @@ def run(args, parser, argv):
     elif args.init_from:
         cfg = checkpoint.load_config(hub.resolve_pretrained(args.init_from, args.cache_dir, ("config.json",), log=log))
         cfg.dropout = args.dropout
-        check_init_from_shape(cfg, args, guards.explicit_flags(args, parser, argv))
+        checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
     else:
         shape = dict(gpt.MODEL_SIZES[args.model_size])
         for key in ("n_layer", "n_head", "n_embd", "block_size"):
