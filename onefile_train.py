@@ -7,6 +7,10 @@
 Read it top to bottom: arguments, device, tokenizer, data, model, optimiser, memory and speed, training loop,
 checkpoint, sample. With the same seed and flags it prints train.py's loss at every step, writes the same files
 and shares its data cache; only its --init-from takes a local directory, never a hub id to download.
+It checks what train.py checks (lib/guards.py there, inline here): flags and paths before any work, no
+silent overwrite of a saved run, --resume flags against the saved run, finite checkpoints only, memory
+before allocating. Under torchrun, Ctrl-C saves and the workers exit 130, but torchrun itself ends with
+its own `...SignalException: Process <pid> got signal: 2` traceback and status 1 (see the README).
 """
 
 import argparse
@@ -641,7 +645,8 @@ def run(args, parser, argv):
     train_state = None
     if args.resume:
         train_state = load_training_state(args.out_dir)
-        check_resume_flags(json.loads(train_state.get("args", "{}")), args, parser, argv, print)
+        check_resume_flags(json.loads(train_state.get("args", "{}")), args, parser, argv,
+                           print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None))
     rank, local_rank, world, device = setup_distributed(pick_device(args.device))
     log = print if rank == 0 else (lambda *a, **k: None)
     random.seed(args.seed)

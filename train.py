@@ -7,6 +7,13 @@
 This is the same training as onefile_train.py, which inlines everything imported here; with the
 same seed and flags both print the same loss at every step. Read this file top to bottom:
 arguments, device and distributed setup, model, data, optimiser, training loop, save, report.
+
+Nothing saved is lost: a fresh run refuses an --out-dir holding a saved run (--resume or --overwrite);
+--resume refuses flags that contradict the saved run; an update whose gradient norm is not finite is
+skipped; non-finite weights are never saved; a run whose memory estimate clearly exceeds the device's
+free memory stops before allocating (--force). Ctrl-C saves and exits 130; under torchrun, torchrun
+itself then ends with its own traceback (last line `...SignalException: Process <pid> got signal: 2`,
+status 1), which no worker can prevent (README, "Ctrl-C under torchrun").
 """
 
 import argparse
@@ -160,7 +167,9 @@ def run(args, parser, argv):
     if args.resume:
         train_state = checkpoint.load_training_state(args.out_dir)
         saved_args = json.loads(train_state.get("args", "{}"))
-        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE, log=print, argv=argv)
+        main_rank = int(os.environ.get("RANK", 0)) == 0  # torchrun's ranks all check; one of them reports
+        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
+                                  log=print if main_rank else (lambda *a: None), argv=argv)
         for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
             if key in saved_args:
                 setattr(args, key, saved_args[key])

@@ -13,6 +13,12 @@ all-gathers them before its forward and backward and frees them after (reshards)
 the gradients so each rank keeps the slice of the mean gradient that its optimizer slice updates.
 docs/fsdp2_explained.md walks through the idea, the arithmetic and the measured numbers.
 
+--init-from loads a Hugging Face GPT-2 (a directory or a hub id) into the sharded model one tensor at a
+time, so each rank keeps only its shards. The guards are train.py's (no silent overwrite, --resume flag
+checks, skipped non-finite updates, finite checkpoints only, the memory pre-check). Ctrl-C: the ranks
+agree to stop after the step, save and exit 130; torchrun itself then ends with its own traceback (last
+line `...SignalException: Process <pid> got signal: 2`, status 1), which no worker can prevent.
+
 Reading order: arguments, device and distributed setup, model configuration, data, model, optimiser,
 training loop, save, report. The helpers above run() are the FSDP-specific steps they call.
 """
