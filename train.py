@@ -7,6 +7,13 @@
 This is the same training as onefile_train.py, which inlines everything imported here; with the
 same seed and flags both print the same loss at every step. Read this file top to bottom:
 arguments, device and distributed setup, model, data, optimiser, training loop, save, report.
+
+Nothing saved is lost: a fresh run refuses an --out-dir holding a saved run (--resume or --overwrite);
+--resume refuses flags that contradict the saved run; an update whose gradient norm is not finite is
+skipped; non-finite weights are never saved; a run whose memory estimate clearly exceeds the device's
+free memory stops before allocating (--force). Ctrl-C saves and exits 130; under torchrun, torchrun
+itself then ends with its own traceback (last line `...SignalException: Process <pid> got signal: 2`,
+status 1), which no worker can prevent (README, "Ctrl-C under torchrun").
 """
 
 import argparse
@@ -109,6 +116,10 @@ def check_args(args):
     """Everything about the flags and paths that can be checked before any work starts."""
     guards.check_output_dir(args.out_dir)
     guards.check_cache_dir(args.cache_dir)
+    if not args.estimate_memory:  # a run writes both; find out now whether it can
+        guards.make_output_dir(args.out_dir)
+        if args.init_from or not data.is_prepared(args.data):
+            guards.make_output_dir(args.cache_dir, "--cache-dir")
     if args.min_lr_ratio > 1:
         raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
                         f"use a value from 0 to 1")
@@ -118,17 +129,6 @@ def check_args(args):
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
     if not args.estimate_memory:
         guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
-
-
-def check_init_from_shape(cfg, args, given):
-    """--init-from brings its own shape: shape flags may repeat it, not contradict it."""
-    want = dict(gpt.MODEL_SIZES[args.model_size]) if "model_size" in given else {}
-    want.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if k in given})
-    for key, value in want.items():
-        if key != "block_size" and value != getattr(cfg, key):
-            flag = f"--model-size {args.model_size}" if key not in given else f"--{key.replace('_', '-')} {value}"
-            raise UserError(f"{flag} contradicts --init-from {args.init_from}, whose {key} is {getattr(cfg, key)}; "
-                            f"drop the shape flags (only --block-size may shorten the sequence)")
 
 
 @torch.no_grad()
@@ -167,7 +167,9 @@ def run(args, parser, argv):
     if args.resume:
         train_state = checkpoint.load_training_state(args.out_dir)
         saved_args = json.loads(train_state.get("args", "{}"))
-        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE, log=print, argv=argv)
+        main_rank = int(os.environ.get("RANK", 0)) == 0  # torchrun's ranks all check; one of them reports
+        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
+                                  log=print if main_rank else (lambda *a: None), argv=argv)
         for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
             if key in saved_args:
                 setattr(args, key, saved_args[key])
@@ -189,7 +191,7 @@ def run(args, parser, argv):
     elif args.init_from:
         cfg = checkpoint.load_config(hub.resolve_pretrained(args.init_from, args.cache_dir, ("config.json",), log=log))
         cfg.dropout = args.dropout
-        check_init_from_shape(cfg, args, guards.explicit_flags(args, parser, argv))
+        checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
     else:
         shape = dict(gpt.MODEL_SIZES[args.model_size])
         for key in ("n_layer", "n_head", "n_embd", "block_size"):

@@ -86,6 +86,18 @@ def load_config(model_dir: str) -> gpt.GPTConfig:
         raise UserError(f"{config_path} is not a GPT-2 config ({e}); point --init-from at a GPT-2 checkpoint") from None
 
 
+def check_shape_flags(cfg: gpt.GPTConfig, args, given: set):
+    """--init-from brings its own shape: --model-size, --n-layer, --n-head and --n-embd (the flags in
+    `given`) may repeat it, never contradict it. Used by train.py and train_fsdp.py."""
+    want = {k: v for k, v in gpt.MODEL_SIZES[args.model_size].items() if k != "block_size"} if "model_size" in given else {}
+    want.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if k in given})
+    for key, value in want.items():
+        if value != getattr(cfg, key):
+            flag = f"--{key.replace('_', '-')} {value}" if key in given else f"--model-size {args.model_size}"
+            raise UserError(f"{flag} contradicts --init-from {args.init_from}, whose {key} is {getattr(cfg, key)}; "
+                            f"drop the shape flags (only --block-size may shorten the sequence)")
+
+
 def load_hf(model_dir: str):
     """Read a Hugging Face GPT-2 directory -> (GPTConfig, state dict in our names and layouts)."""
     config_path = os.path.join(model_dir, CONFIG)
