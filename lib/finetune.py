@@ -130,6 +130,10 @@ def check_paths(args):
     guards.check_cache_dir(args.cache_dir)
     if not args.estimate_memory:
         guards.check_output_dir(args.out_dir)
+        merged = os.path.join(args.out_dir, "merged")
+        if args.merge and os.path.exists(merged) and not os.path.isdir(merged):
+            raise UserError(f"--merge writes the directory {merged}, which is an existing file; move the file away "
+                            f"or pass another --out-dir")
         if args.data not in ("stdlib", "stdlib-tests") and not os.path.exists(args.data):
             raise UserError(f"--data {args.data!r} does not exist; pass a text file, a directory of text files, a "
                             f"prepared shard directory or stdlib-tests")
@@ -295,6 +299,8 @@ def check_adapter(adapter_dir: str, cfg: gpt.GPTConfig) -> dict:
     def fail(message):
         raise UserError(f"--adapter {adapter_dir}: {message}")
 
+    if not os.path.isdir(adapter_dir):
+        fail("no such directory; pass the directory that holds adapter_config.json and adapter_model.safetensors")
     try:
         config = lora.read_adapter_config(adapter_dir)
         tensors = lora.read_adapter_weights(adapter_dir)

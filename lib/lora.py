@@ -209,6 +209,8 @@ def read_adapter_config(adapter_dir: str) -> dict:
         raise ValueError(f"load_adapter: {path} not found; is {adapter_dir} a LoRA adapter directory?") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"load_adapter: {path} line {e.lineno} column {e.colno}: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"load_adapter: {path} cannot be read ({e})") from None
     if not isinstance(config, dict):
         raise ValueError(f"load_adapter: {path} holds a JSON {type(config).__name__}, not an adapter config object")
     for key in ("r", "lora_alpha", "target_modules"):

@@ -183,6 +183,7 @@ def test_resume_refuses_contradicting_flags_and_reports_changed_ones(ft, done, b
 def test_mistakes_are_one_line_before_any_work(ft, done, base, tmp_path, monkeypatch, capsys):
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
+    (tmp_path / "merged").write_text("x")  # where --merge would write, with --out-dir tmp_path
     out = tmp_path / "never"
     cases = [
         (["--out-dir", str(a_file)], "--out-dir", "is an existing file"),
@@ -206,6 +207,8 @@ def test_mistakes_are_one_line_before_any_work(ft, done, base, tmp_path, monkeyp
         (["--min-lr-ratio", "2"], "--min-lr-ratio"),
         (["--save-interval", "0"], "argument --save-interval"),
         (["--data", str(tmp_path / "nowhere")], "--data", "does not exist"),
+        (["--merge", "--out-dir", str(tmp_path)], "--merge writes the directory", "which is an existing file"),
+        (["--adapter", str(a_file)], f"--adapter {a_file}: no such directory"),
         (["--block-size", "64"], "exceeds the base model's 32 positions"),
     ]
     for args, *fragments in cases:
