@@ -132,7 +132,7 @@ def test_nonfinite_gradient_skips_the_update(ft, tmp_path, monkeypatch):
     assert all(int(s["step"]) == 2 for s in state["optimizer"]["state"].values())  # AdamW stepped twice, not three times
 
 
-def test_fresh_run_refuses_a_saved_run_and_overwrite_replaces_it(ft, done, base, tmp_path, capsys):
+def test_fresh_run_refuses_a_saved_run_and_overwrite_replaces_it(ft, done, base, tmp_path, capsys, monkeypatch):
     out = copy_of(done, tmp_path)
     before = snapshot(out)
     fails(capsys, lambda: ft("lora", out, "--steps", "0"), f"{out} already holds a saved run", "--resume", "--overwrite")
@@ -141,6 +141,11 @@ def test_fresh_run_refuses_a_saved_run_and_overwrite_replaces_it(ft, done, base,
     assert snapshot(out) == before and snapshot(os.path.join(out, "merged")) == snapshot(os.path.join(done, "merged"))
     # Nothing, not even --overwrite, writes into the base directory; a merged model is replaced only with --overwrite.
     fails(capsys, lambda: ft("lora", base, "--steps", "1", "--overwrite"), "is the base model's directory")
+    os.makedirs(tmp_path / "cwd" / "out")  # the default base, out/train, as train.py leaves it
+    shutil.copytree(base, tmp_path / "cwd" / "out" / "train")
+    monkeypatch.chdir(tmp_path / "cwd")
+    fails(capsys, lambda: ft("qlora", "out/train", "--steps", "1", "--overwrite", init_from=None),
+          "--out-dir out/train is the base model's directory")
     fails(capsys, lambda: ft("lora", out, "--steps", "1", "--merge", "--overwrite", init_from=os.path.join(out, "merged")),
           "--merge would write", "the base model's directory")
     os.makedirs(tmp_path / "m" / "merged")
