@@ -6,7 +6,9 @@ sits around the loop, not in it. The base is read from its safetensors file one 
 and each block linear is converted (kept, cast to 16 bits, or quantised to NF4) the moment it is
 read, so the full-precision model never has to fit in memory; only the LoRA matrices reach the
 optimizer; and what is saved is the small adapter (PEFT layout) plus, for --resume, the optimizer
-state and those same LoRA matrices in one atomically written file.
+state and those same LoRA matrices in one atomically written file. Before any of that,
+resolve_run checks everything a user can get wrong (paths, a saved run in the way, --resume's
+flags, the adapter files) from config.json and the adapter alone, and save() never writes a NaN.
 """
 
 import argparse
@@ -440,7 +442,7 @@ def resolve_run(args, parser, argv=None, log=print, fixed=()):
     init_from = state["base"] if state else args.init_from
     cfg = config_for_estimate(init_from, args.cache_dir, log, known_sizes=args.estimate_memory)
     if not args.estimate_memory and (init_from is None or os.path.isdir(init_from)):
-        check_not_base(args, init_from or DEFAULT_BASE)  # a hub id's cache directory: once it is downloaded
+        check_not_base(args, init_from or DEFAULT_BASE)  # a hub id's directory: in base_weights
     if state is not None:
         check_resume_flags(state, args, parser, argv, cfg, fixed, log)
         return state, state["lora"], cfg
