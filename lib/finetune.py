@@ -454,10 +454,11 @@ def resolve_run(args, parser, argv=None, log=print, fixed=()):
 def base_weights(args, state, cfg, log=print) -> str:
     """The base directory with its weights: downloaded now for a hub id (after the memory check), the
     saved run's for --resume. model.safetensors is checked from its header: whole, of the shapes
-    config.json gives, and not where this run writes."""
+    config.json gives, and not where this run writes. Then --out-dir is created and test-written."""
     model_dir = state["base"] if state else resolve_base(args.init_from, args.cache_dir, log)
     check_base_weights(model_dir, cfg)
     check_not_base(args, model_dir)
+    guards.make_output_dir(args.out_dir)  # a probe file: a read-only mount stops here, root or not
     return model_dir
 
 

@@ -263,6 +263,8 @@ def test_mistakes_are_one_line_before_any_work(ft, done, base, tmp_path, monkeyp
         fails(capsys, lambda: ft("qlora", ro / "out"), "--out-dir", "is not writable")
     finally:
         ro.chmod(stat.S_IRWXU)
+    if os.path.isdir("/sys/kernel"):  # Linux: a file system that refuses even root, caught by a probe write
+        fails(capsys, lambda: ft("lora", "/sys/byhand-test", "--steps", "1"), "--out-dir /sys/byhand-test cannot be written")
     assert not out.exists()  # every one stopped before writing anything
 
 
