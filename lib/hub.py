@@ -7,6 +7,7 @@ huggingface_hub: HF_ENDPOINT (a mirror) and HF_HUB_OFFLINE=1 (never touch the ne
 Nothing here runs unless the user names a hub id.
 """
 
+import json
 import os
 import re
 import urllib.error
@@ -120,3 +121,80 @@ def resolve_pretrained(name_or_dir: str, cache_dir: str, filenames=("config.json
         f"--init-from {name_or_dir!r} is neither a directory nor a hub id; pass a local Hugging Face "
         f"GPT-2 directory or one of {', '.join(ALIASES)}"
     )
+
+
+def _missing_on_hub(repo_id: str, filename: str, revision: str) -> bool:
+    """True when the hub answers 404 for this file (a HEAD request: nothing is downloaded)."""
+    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+    url = f"{endpoint}/{ALIASES.get(repo_id, repo_id)}/resolve/{revision}/{filename}"
+    headers = {"User-Agent": "byhand/0.1 (stdlib urllib)"}
+    if os.environ.get("HF_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers, method="HEAD"), timeout=60):
+            return False
+    except urllib.error.HTTPError as e:
+        return e.code == 404  # other answers (401, 403, 5xx) are reported by the download itself
+    except (urllib.error.URLError, TimeoutError, ConnectionError):
+        return False  # let the download report the network problem
+
+
+def download_optional(repo_id: str, filename: str, cache_dir: str, revision: str = "main", log=print):
+    """The local path of `filename` (downloaded if needed), or None when the repository has no such
+    file (or HF_HUB_OFFLINE is set and it is not cached). For files a model may or may not ship,
+    such as tokenizer_config.json."""
+    local = os.path.join(cache_dir, "hub", ALIASES.get(repo_id, repo_id).replace("/", "--"), revision)
+    if os.path.isfile(os.path.join(local, filename)):
+        return os.path.join(local, filename)
+    if offline() or _missing_on_hub(repo_id, filename, revision):
+        return None
+    return os.path.join(download(repo_id, [filename], cache_dir, revision, log), filename)
+
+
+def download_first(repo_id: str, filenames, cache_dir: str, revision: str = "main", log=print) -> str:
+    """The local path of the first of `filenames` the repository has (a cached one wins), e.g.
+    model.safetensors, else pytorch_model.bin for checkpoints older than safetensors."""
+    local = os.path.join(cache_dir, "hub", ALIASES.get(repo_id, repo_id).replace("/", "--"), revision)
+    for name in filenames:
+        if os.path.isfile(os.path.join(local, name)):
+            return os.path.join(local, name)
+    if offline():
+        raise UserError(f"HF_HUB_OFFLINE is set and {repo_id} is not in the cache ({local} has none of {list(filenames)}); "
+                        f"unset HF_HUB_OFFLINE once to download it, or pass a local directory")
+    for name in filenames:
+        if not _missing_on_hub(repo_id, name, revision):
+            return os.path.join(download(repo_id, [name], cache_dir, revision, log), name)
+    raise UserError(f"{repo_id} has none of {', '.join(filenames)} (checked on the hub); check the repository id")
+
+
+def download_model(repo_id: str, cache_dir: str, optional=(), revision: str = "main", hint: str | None = None,
+                   log=print) -> str:
+    """A whole model directory (judge_train_*.py): config.json, the safetensors weights (one file, or
+    model.safetensors.index.json and every shard it names) and whichever `optional` files the
+    repository has (tokenizer files); return the local directory.
+
+    `hint` is appended to any error (e.g. "--model tiny runs the offline demo").
+    """
+    try:
+        local = download(repo_id, ["config.json"], cache_dir, revision, log)
+        index = download_optional(repo_id, "model.safetensors.index.json", cache_dir, revision, log)
+        if index:
+            try:
+                with open(index) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); delete it and download again") from None
+            download(repo_id, shards, cache_dir, revision, log)
+        else:
+            if not offline() and not os.path.isfile(os.path.join(local, "model.safetensors")) \
+                    and _missing_on_hub(repo_id, "model.safetensors", revision):
+                raise UserError(f"{repo_id} has neither model.safetensors nor model.safetensors.index.json; "
+                                f"only safetensors checkpoints can be loaded")
+            download(repo_id, ["model.safetensors"], cache_dir, revision, log)
+        for name in optional:
+            download_optional(repo_id, name, cache_dir, revision, log)
+    except UserError as e:
+        if hint:
+            raise UserError(f"{e}; {hint}") from None
+        raise
+    return local
