@@ -7,6 +7,7 @@ huggingface_hub: HF_ENDPOINT (a mirror) and HF_HUB_OFFLINE=1 (never touch the ne
 Nothing here runs unless the user names a hub id.
 """
 
+import json
 import os
 import re
 import urllib.error
@@ -87,12 +88,35 @@ def download(repo_id: str, filenames, cache_dir: str, revision: str = "main", lo
     return local
 
 
+def looks_like_path(name: str) -> bool:
+    """A name the user meant as a local path: it starts like one (/, ., ~), has more separators than a hub
+    id's one slash, or its parent directory exists here (out/trian when out/ exists)."""
+    seps = [os.sep] + ([os.altsep] if os.altsep else [])
+    if name.startswith(("/", ".", "~", *seps)) or name.endswith(tuple(seps)):
+        return True
+    if sum(name.count(s) for s in seps) > 1 or (os.sep != "/" and os.sep in name):
+        return True
+    parent = os.path.dirname(name)
+    return bool(parent) and os.path.isdir(parent)
+
+
 def resolve_pretrained(name_or_dir: str, cache_dir: str, filenames=("config.json", "model.safetensors"), log=print) -> str:
     """A local directory as it is; a hub id (gpt2, gpt2-medium, org/name) downloaded into the cache."""
     if os.path.isdir(name_or_dir):
         return name_or_dir
-    if is_hub_id(name_or_dir) and not os.path.exists(name_or_dir):
-        return download(name_or_dir, filenames, cache_dir, log=log)
+    if os.path.exists(name_or_dir):
+        raise UserError(f"--init-from {name_or_dir!r} is a file, not a directory; pass the Hugging Face GPT-2 "
+                        f"directory that holds config.json and model.safetensors")
+    if looks_like_path(name_or_dir):
+        full = os.path.abspath(os.path.expanduser(name_or_dir))
+        raise UserError(f"--init-from {name_or_dir!r}: the local path {full} does not exist; check the path "
+                        f"(or, for the hub, pass an id such as gpt2 or org/name)")
+    if is_hub_id(name_or_dir):
+        try:
+            return download(name_or_dir, filenames, cache_dir, log=log)
+        except UserError as e:  # the user may have meant a local directory: say both
+            raise UserError(f"{e} (--init-from {name_or_dir!r} was read as a hub id: no local directory of that "
+                            f"name exists here)") from None
     raise UserError(
         f"--init-from {name_or_dir!r} is neither a directory nor a hub id; pass a local Hugging Face "
         f"GPT-2 directory or one of {', '.join(ALIASES)}"
@@ -141,3 +165,36 @@ def download_first(repo_id: str, filenames, cache_dir: str, revision: str = "mai
         if not _missing_on_hub(repo_id, name, revision):
             return os.path.join(download(repo_id, [name], cache_dir, revision, log), name)
     raise UserError(f"{repo_id} has none of {', '.join(filenames)} (checked on the hub); check the repository id")
+
+
+def download_model(repo_id: str, cache_dir: str, optional=(), revision: str = "main", hint: str | None = None,
+                   log=print) -> str:
+    """A whole model directory (judge_train_*.py): config.json, the safetensors weights (one file, or
+    model.safetensors.index.json and every shard it names) and whichever `optional` files the
+    repository has (tokenizer files); return the local directory.
+
+    `hint` is appended to any error (e.g. "--model tiny runs the offline demo").
+    """
+    try:
+        local = download(repo_id, ["config.json"], cache_dir, revision, log)
+        index = download_optional(repo_id, "model.safetensors.index.json", cache_dir, revision, log)
+        if index:
+            try:
+                with open(index) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); delete it and download again") from None
+            download(repo_id, shards, cache_dir, revision, log)
+        else:
+            if not offline() and not os.path.isfile(os.path.join(local, "model.safetensors")) \
+                    and _missing_on_hub(repo_id, "model.safetensors", revision):
+                raise UserError(f"{repo_id} has neither model.safetensors nor model.safetensors.index.json; "
+                                f"only safetensors checkpoints can be loaded")
+            download(repo_id, ["model.safetensors"], cache_dir, revision, log)
+        for name in optional:
+            download_optional(repo_id, name, cache_dir, revision, log)
+    except UserError as e:
+        if hint:
+            raise UserError(f"{e}; {hint}") from None
+        raise
+    return local
