@@ -97,3 +97,89 @@ def resolve_pretrained(name_or_dir: str, cache_dir: str, filenames=("config.json
         f"--init-from {name_or_dir!r} is neither a directory nor a hub id; pass a local Hugging Face "
         f"GPT-2 directory or one of {', '.join(ALIASES)}"
     )
+
+
+# --- whole model directories: optional files and sharded weights (judge_train_*.py) ----------------
+ABSENT = ".absent.json"  # names the hub answered 404 for, so a later offline run knows they do not exist
+
+
+def _exists(url: str) -> bool:
+    """HEAD the file: True when the hub has it, False on 404; other failures raise as _fetch does."""
+    headers = {"User-Agent": "byhand/0.1 (stdlib urllib)"}
+    if os.environ.get("HF_TOKEN"):
+        headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers, method="HEAD"), timeout=60):
+            return True
+    except urllib.error.HTTPError as e:
+        if e.code == 404:
+            return False
+        what = {401: "needs authentication (set HF_TOKEN)",
+                403: "is forbidden (gated repository? accept its licence on the hub and set HF_TOKEN)"}
+        raise UserError(f"download of {url} {what.get(e.code, f'failed with HTTP {e.code}')}") from None
+    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
+        raise UserError(f"cannot reach {url} ({getattr(e, 'reason', e)}); check the network or HF_ENDPOINT, "
+                        f"or pass a local directory (HF_HUB_OFFLINE=1 uses only the cache)") from None
+
+
+def download_optional(repo_id: str, filenames, cache_dir: str, revision: str = "main", log=print) -> list:
+    """Fetch whichever of `filenames` the repository has; return the names now in the cache.
+
+    A 404 is remembered in .absent.json beside the files. With HF_HUB_OFFLINE only the cache is used.
+    """
+    import json
+
+    repo_id = ALIASES.get(repo_id, repo_id)
+    local = os.path.join(cache_dir, "hub", repo_id.replace("/", "--"), revision)
+    absent_path = os.path.join(local, ABSENT)
+    try:
+        with open(absent_path) as f:
+            absent = set(json.load(f))
+    except (OSError, ValueError):
+        absent = set()
+    todo = [n for n in filenames if not os.path.isfile(os.path.join(local, n)) and n not in absent]
+    if todo and not offline():
+        endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+        os.makedirs(local, exist_ok=True)
+        for name in todo:
+            url = f"{endpoint}/{repo_id}/resolve/{revision}/{name}"
+            if _exists(url):
+                log(f"downloading {url}")
+                _fetch(url, os.path.join(local, name), log)
+            else:
+                absent.add(name)
+        tmp = absent_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(sorted(absent), f)
+        os.replace(tmp, absent_path)
+    return [n for n in filenames if os.path.isfile(os.path.join(local, n))]
+
+
+def download_model(repo_id: str, cache_dir: str, optional=(), revision: str = "main", hint: str | None = None,
+                   log=print) -> str:
+    """config.json, the safetensors weights (one file, or model.safetensors.index.json and every shard it
+    names) and whichever `optional` files exist; return the local directory.
+
+    `hint` is appended to any error (e.g. "or --model tiny for the offline demo").
+    """
+    import json
+
+    try:
+        local = download(repo_id, ["config.json"], cache_dir, revision, log)
+        if "model.safetensors.index.json" in download_optional(repo_id, ["model.safetensors.index.json"],
+                                                               cache_dir, revision, log):
+            index = os.path.join(local, "model.safetensors.index.json")
+            try:
+                with open(index) as f:
+                    shards = sorted(set(json.load(f)["weight_map"].values()))
+            except (ValueError, KeyError, TypeError, AttributeError) as e:
+                raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); delete it and download again") from None
+            download(repo_id, shards, cache_dir, revision, log)
+        else:
+            download(repo_id, ["model.safetensors"], cache_dir, revision, log)
+        download_optional(repo_id, list(optional), cache_dir, revision, log)
+    except UserError as e:
+        if hint:
+            raise UserError(f"{e}; {hint}") from None
+        raise
+    return local

@@ -152,14 +152,16 @@ def _atomic_write(path: str, write) -> None:
         raise
 
 
-def save_adapter(model: nn.Module, out_dir: str, config_dict: dict | None = None) -> dict:
+def save_adapter(model: nn.Module, out_dir: str, config_dict: dict | None = None,
+                 fan_in_fan_out: bool = True) -> dict:
     """Write adapter_config.json + adapter_model.safetensors (PEFT layout) to out_dir.
 
     r, lora_alpha, lora_dropout, use_rslora and target_modules are read from the
     model; config_dict adds or overrides fields (e.g. base_model_name_or_path,
     target_modules as the user spelled them). Tensors are saved in their own dtype.
-    fan_in_fan_out is true because the HF GPT-2 base stores these layers as Conv1D
-    ([in, out]); it only affects how PEFT merges, not the A/B shapes.
+    fan_in_fan_out is true by default because the HF GPT-2 base stores these layers as Conv1D
+    ([in, out]); pass False for bases whose layers are nn.Linear in transformers too (Llama,
+    Qwen2). It only affects how PEFT merges, not the A/B shapes.
     Returns the config written.
     """
     loras = _lora_modules(model)
@@ -180,7 +182,7 @@ def save_adapter(model: nn.Module, out_dir: str, config_dict: dict | None = None
         "lora_dropout": dropout,
         "target_modules": _infer_targets(all_names, list(loras)),
         "bias": "none",
-        "fan_in_fan_out": True,
+        "fan_in_fan_out": fan_in_fan_out,
         "use_rslora": rslora,
         "use_dora": False,
         "init_lora_weights": True,

@@ -1,0 +1,278 @@
+"""lib/chat_tokenizer.py: byte-level BPE from tokenizer.json / vocab.json+merges.txt / tiktoken
+tokenizer.model, specials, and the chat templates, against transformers' goldens and by hand."""
+import base64
+import importlib.util
+import json
+import os
+import random
+import shutil
+
+import pytest
+import regex  # tiktoken's own dependency; an independent implementation of the split regexes
+import tiktoken
+
+from lib import chat_tokenizer as ct
+from lib import tokenizer as gpt2_tokenizer
+from lib.errors import UserError
+
+FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
+GOLDEN = os.path.join(FIXTURES, "llama_golden")
+TOKENIZERS = ["qwen2", "qwen2_5", "llama3_0", "llama3_1", "llama3_2"]
+
+
+@pytest.fixture(scope="module")
+def golden():
+    with open(os.path.join(GOLDEN, "tokenizer_golden.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+@pytest.fixture(scope="module")
+def templates():
+    with open(os.path.join(FIXTURES, "chat_templates.json")) as f:
+        return json.load(f)
+
+
+def _merge_bpe(word: bytes, priority: dict) -> list:
+    """transformers' BPE: repeatedly apply the adjacent pair with the best merge priority."""
+    parts = [bytes([b]) for b in word]
+    while len(parts) > 1:
+        best = min(range(len(parts) - 1), key=lambda i: priority.get((parts[i], parts[i + 1]), float("inf")))
+        if (parts[best], parts[best + 1]) not in priority:
+            break
+        parts[best:best + 2] = [parts[best] + parts[best + 1]]
+    return parts
+
+
+def _reference_encode(text: str, tokenizer_json: dict, pattern: str) -> list:
+    """A by-hand merge-priority encoder for a byte-level tokenizer.json (no specials)."""
+    u2b = {c: b for b, c in ct.bytes_to_unicode().items()}
+    to_bytes = lambda s: bytes(u2b[c] for c in s)
+    model = tokenizer_json["model"]
+    priority = {}
+    for k, m in enumerate(model["merges"]):
+        a, b = m.split(" ") if isinstance(m, str) else m
+        priority.setdefault((to_bytes(a), to_bytes(b)), k)
+    vocab = {to_bytes(t): i for t, i in model["vocab"].items()}
+    return [vocab[p] for word in regex.findall(pattern, text) for p in _merge_bpe(word.encode(), priority)]
+
+
+# --- against transformers ---------------------------------------------------------------------------
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_encode_decode_and_chat_templates_match_transformers(golden, name):
+    tok = ct.load_tokenizer(os.path.join(GOLDEN, "tokenizers", name))
+    rec = golden["tokenizers"][name]
+    for text, ids in zip(golden["texts"], rec["encode"]):
+        assert tok.encode(text) == ids, text
+        want = text if name.startswith("llama") else __import__("unicodedata").normalize("NFC", text)
+        assert tok.decode(ids) == want
+    for text, ids in zip(golden["texts"], rec["encode_special"]):
+        assert tok.encode(text, add_special_tokens=True) == ids
+    for text, want in zip(golden["texts"][-2:], rec["decode_skip"]):
+        assert tok.decode(tok.encode(text, add_special_tokens=True), skip_special_tokens=True) == want
+    for key, want in rec["chat"].items():
+        conv, gen = key.split("|")
+        msgs = golden["conversations"][conv]
+        kw = dict(add_generation_prompt=gen == "True", date_string="26 Jul 2024")
+        assert tok.apply_chat_template(msgs, **kw) == want["text"], key
+        assert tok.apply_chat_template(msgs, tokenize=True, **kw) == want["ids"], key
+
+
+def test_default_system_messages_are_read_from_the_template(golden, templates):
+    assert ct.chatml_default_system(ct.CHATML_TEMPLATE) == "You are a helpful assistant."
+    assert ct.chatml_default_system(templates["qwen2_5"]) == \
+        "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+    assert ct.chatml_default_system("{% for m in messages %}{{'<|im_start|>' + m['role'] }}{% endfor %}") is None
+    assert ct.llama3_system_preamble(templates["llama3_0"], None) is None
+    assert ct.llama3_system_preamble(templates["llama3_1"], None) == \
+        "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+    # Llama 3.2 asks for today's date (strftime_now), as transformers renders it
+    import datetime
+    today = datetime.datetime.now().strftime("%d %b %Y")
+    assert ct.llama3_system_preamble(templates["llama3_2"], None).endswith(f"Today Date: {today}\n\n")
+    tok = ct.load_tokenizer(os.path.join(GOLDEN, "tokenizers", "llama3_2"))
+    assert f"Today Date: {today}" in tok.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_gpt2_at_full_scale_against_transformers():
+    """50,000 merges: tokenizer.json rebuilt from data/gpt2.tiktoken, read back through the merge list."""
+    spec = importlib.util.spec_from_file_location("make_llama_golden", os.path.join(FIXTURES, "make_llama_golden.py"))
+    maker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(maker)
+    with open(os.path.join(GOLDEN, "gpt2_golden.json")) as f:
+        golden = json.load(f)
+    tj = maker.gpt2_tokenizer_json(gpt2_tokenizer.RANKS_PATH, list(base64.b64decode(golden["splits"])))
+    assert len(tj["model"]["merges"]) == golden["n_merges"] == 50000
+    ranks, rank_to_id, rest = ct.ranks_from_merges(tj["model"]["vocab"], tj["model"]["merges"], "gpt2")
+    assert rank_to_id == list(range(50256)) and rest == {50256: b"<|endoftext|>"}  # ids are the merge order
+    enc = tiktoken.Encoding("t", pat_str=ct.GPT2_PATTERN, mergeable_ranks=ranks, special_tokens={"<|endoftext|>": 50256})
+    reference = gpt2_tokenizer.get_encoding()
+    for text, ids in zip(golden["texts"], golden["ids"]):
+        assert enc.encode(text, allowed_special="all") == ids
+        assert reference.encode(text, allowed_special="all") == ids  # and tiktoken's own GPT-2 agrees
+
+
+# --- built in the test: tokenizer.json, vocab.json + merges.txt, tokenizer.model --------------------
+TRAIN = ["The quick brown fox jumps over the lazy dog. " * 3, "Score: 7/10\nFeedback: two words differ.",
+         "It's we'll they've 12345 caf\u00e9 na\u00efve \u4eca\u5929 \U0001F600", "def f(x):\n    return x"] * 4
+CHECK = ["The lazy fox's score: 10/10!", "  spaced  out\n\n\tend ", "caf\u00e9 vs cafe\u0301 \u4eca\u5929\u597d",
+         "12345678 apples", "<|im_start|>user\nhi<|im_end|>\n", "no special <|im_start here"]
+
+
+@pytest.fixture
+def tiny(tmp_path):
+    return ct.make_tiny_tokenizer(str(tmp_path / "tiny"), TRAIN, vocab_size=300), tmp_path / "tiny"
+
+
+def test_tiny_tokenizer_round_trips_and_agrees_with_merge_priority_bpe(tiny):
+    tok, d = tiny
+    assert tok.vocab_size == 300 and tok.chat_format == "chatml" and tok.identity
+    assert (tok.eos_token_id, tok.pad_token_id, tok.bos_token_id) == (299, 297, None)
+    assert tok.stop_token_ids == [299, 297]
+    tj = json.load(open(d / "tokenizer.json", encoding="utf-8"))
+    rng = random.Random(0)
+    alphabet = "abcdefghij ABC.,'\n0123456789\u00e9"
+    texts = CHECK[:4] + ["".join(rng.choice(alphabet) for _ in range(60)) for _ in range(20)]
+    for text in texts:
+        import unicodedata
+        text = unicodedata.normalize("NFC", text)
+        assert tok.encode(text) == _reference_encode(text, tj, ct.QWEN2_PATTERN), text
+        assert tok.decode(tok.encode(text)) == text
+    ids = tok.encode(CHECK[4])
+    assert ids[0] == 298 and ids[-2] == 299 and tok.decode(ids, skip_special_tokens=True) == "user\nhi\n"
+    assert 298 not in tok.encode(CHECK[5])
+    assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True) == \
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_ids_that_differ_from_merge_order_are_mapped_back(tiny, tmp_path):
+    """Ranks follow merge priority; when the file's ids follow another order the ids still come out right."""
+    tok, d = tiny
+    tj = json.load(open(d / "tokenizer.json", encoding="utf-8"))
+    vocab = tj["model"]["vocab"]
+    perm = list(range(256, 297))
+    random.Random(1).shuffle(perm)
+    new_id = {i: (perm[i - 256] if 256 <= i < 297 else i) for i in range(300)}
+    tj["model"]["vocab"] = {t: new_id[i] for t, i in vocab.items()}
+    tj["model"]["merges"] = [" ".join(m) for m in tj["model"]["merges"]]  # the older "a b" format
+    out = tmp_path / "permuted"
+    shutil.copytree(d, out)
+    json.dump(tj, open(out / "tokenizer.json", "w", encoding="utf-8"), ensure_ascii=False)
+    permuted = ct.load_tokenizer(str(out))
+    assert not permuted.identity
+    for text in CHECK:
+        assert permuted.encode(text) == [new_id[i] for i in tok.encode(text)]
+        assert permuted.decode(permuted.encode(text)) == tok.decode(tok.encode(text))
+
+
+def test_vocab_json_and_merges_txt(tiny, tmp_path):
+    tok, d = tiny
+    tj = json.load(open(d / "tokenizer.json", encoding="utf-8"))
+    out = tmp_path / "slow"
+    out.mkdir()
+    json.dump(tj["model"]["vocab"], open(out / "vocab.json", "w", encoding="utf-8"), ensure_ascii=False)
+    with open(out / "merges.txt", "w", encoding="utf-8") as f:
+        f.write("#version: 0.2\n" + "".join(f"{a} {b}\n" for a, b in tj["model"]["merges"]))
+    shutil.copy(d / "tokenizer_config.json", out)  # tokenizer_class Qwen2Tokenizer: Qwen2's regex and NFC
+    slow = ct.load_tokenizer(str(out))
+    for text in CHECK:
+        assert slow.encode(text) == tok.encode(text)
+    cfg = json.load(open(out / "tokenizer_config.json"))
+    cfg["tokenizer_class"] = "GPT2Tokenizer"  # GPT-2's regex: digits stay together
+    json.dump(cfg, open(out / "tokenizer_config.json", "w"))
+    gpt2_style = ct.load_tokenizer(str(out))
+    assert (slow.pattern, slow.nfc, gpt2_style.pattern, gpt2_style.nfc) == (ct.QWEN2_PATTERN, True, ct.GPT2_PATTERN, False)
+    for text in CHECK[:4]:
+        assert gpt2_style.encode(text) == _reference_encode(text, tj, ct.GPT2_PATTERN)
+
+
+def test_llama3_tiktoken_tokenizer_model(tmp_path, templates):
+    """Llama 3's tokenizer.model ('base64 rank' lines), with and without a tokenizer_config.json."""
+    merges = ct.train_bpe(TRAIN, 400)
+    ranks = {bytes([b]): b for b in range(256)}
+    for a, b in merges:
+        ranks.setdefault(a + b, len(ranks))
+    d = tmp_path / "meta"
+    d.mkdir()
+    with open(d / "tokenizer.model", "w") as f:
+        f.writelines(f"{base64.b64encode(t).decode()} {r}\n" for t, r in ranks.items())
+    meta = ct.load_tokenizer(str(d))  # Meta's layout: specials numbered after the ranks
+    n = len(ranks)
+    assert meta.added["<|begin_of_text|>"] == n and meta.added["<|eot_id|>"] == n + 9
+    assert meta.added["<|reserved_special_token_2|>"] == n + 11 and meta.vocab_size == n + 256
+    direct = tiktoken.Encoding("llama3", pat_str=ct.LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens={})
+    for text in CHECK + TRAIN[:4]:
+        assert meta.encode(text) == direct.encode(text, disallowed_special=())
+        assert meta.decode(meta.encode(text)) == text
+    assert meta.encode("x", add_special_tokens=True)[0] == n
+    assert meta.chat_format == "llama3" and meta.eos_token_id == n + 9
+    # the HF layout: tokenizer_config.json's added_tokens_decoder and the real Llama 3.1 template
+    specials = {str(n + k): {"content": s, "special": True} for k, s in enumerate(ct.LLAMA3_SPECIALS)}
+    json.dump({"added_tokens_decoder": specials, "bos_token": "<|begin_of_text|>", "eos_token": "<|eot_id|>",
+               "chat_template": templates["llama3_1"]}, open(d / "tokenizer_config.json", "w"))
+    hf = ct.load_tokenizer(str(d))
+    msgs = [{"role": "system", "content": "Judge."}, {"role": "user", "content": " hi "}]
+    text = hf.apply_chat_template(msgs, add_generation_prompt=True)
+    assert text == ("<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nCutting Knowledge Date: "
+                    "December 2023\nToday Date: 26 Jul 2024\n\nJudge.<|eot_id|><|start_header_id|>user"
+                    "<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n")
+    ids = hf.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True)
+    assert ids[:2] == [n, n + 6] and hf.decode(ids) == text and hf.stop_token_ids == [n + 9, n + 8, n + 1]
+
+
+def test_template_follows_the_special_tokens_not_the_architecture(tmp_path):
+    d = tmp_path / "llama_with_chatml"
+    shutil.copytree(os.path.join(GOLDEN, "tokenizers", "qwen2"), d)
+    shutil.copy(os.path.join(GOLDEN, "models", "llama_tied", "config.json"), d)  # LlamaForCausalLM
+    tok = ct.load_tokenizer(str(d))
+    assert tok.chat_format == "chatml"
+    assert tok.apply_chat_template([{"role": "user", "content": "a"}]).startswith("<|im_start|>system\n")
+
+
+def test_save_copies_the_files_and_loads_again(tiny, tmp_path):
+    tok, _ = tiny
+    tok.save(str(tmp_path / "copy"))
+    again = ct.load_tokenizer(str(tmp_path / "copy"))
+    assert sorted(os.listdir(tmp_path / "copy")) == ["tokenizer.json", "tokenizer_config.json"]
+    assert again.encode(CHECK[0]) == tok.encode(CHECK[0]) and again.template == tok.template
+
+
+def test_clear_errors(tmp_path, tiny):
+    with pytest.raises(UserError, match="has no tokenizer.json, vocab.json"):
+        ct.load_tokenizer(str(tmp_path))
+    d = tmp_path / "sp"
+    d.mkdir()
+    (d / "tokenizer.model").write_bytes(b"\n\x0e\n\x05<unk>\x15\x00\x00\x00\x00\x18\x02")
+    with pytest.raises(UserError, match="sentencepiece tokenizer.model .* not supported"):
+        ct.load_tokenizer(str(d))
+    _, tiny_dir = tiny
+    tj = json.load(open(tiny_dir / "tokenizer.json", encoding="utf-8"))
+    tj["model"]["type"] = "Unigram"
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    with pytest.raises(UserError, match="model type 'Unigram' is not supported"):
+        ct.load_tokenizer(str(d))
+    (d / "tokenizer.json").write_text("{not json")
+    with pytest.raises(UserError, match=r"tokenizer.json line 1 column 2"):
+        ct.load_tokenizer(str(d))
+    tok = ct.load_tokenizer(str(tiny_dir))
+    with pytest.raises(ValueError, match="message 0 needs string 'role' and 'content'"):
+        tok.apply_chat_template([{"role": "user"}])
+
+
+def test_unmerged_vocabulary_entries_ignore_merges_and_eos_kept_in_the_vocab(tiny, tmp_path):
+    tok, d = tiny
+    tj = json.load(open(d / "tokenizer.json", encoding="utf-8"))
+    tj["model"]["vocab"]["\u0120zqzq"] = 300  # " zqzq": no merge makes it
+    tj["model"]["vocab"]["<|eos|>"] = 301  # a vocabulary entry tokenizer_config names as eos
+    cfg = json.load(open(d / "tokenizer_config.json"))
+    cfg["eos_token"] = "<|eos|>"
+    out = tmp_path / "extra"
+    out.mkdir()
+    json.dump(cfg, open(out / "tokenizer_config.json", "w"))
+    for ignore in (False, True):
+        tj["model"]["ignore_merges"] = ignore
+        json.dump(tj, open(out / "tokenizer.json", "w", encoding="utf-8"), ensure_ascii=False)
+        t = ct.load_tokenizer(str(out))
+        ids = t.encode("a zqzq<|eos|>")
+        assert (300 in ids) == ignore  # transformers' BPE never reaches it unless the word is looked up whole
+        assert ids[-1] == 301 and t.eos_token_id == 301 and t.decode(ids) == "a zqzq<|eos|>"
+        assert t.decode([300]) == " zqzq" and t.decode(ids, skip_special_tokens=True) == "a zqzq"

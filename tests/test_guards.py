@@ -1,0 +1,123 @@
+"""lib/guards.py: the checks every script runs before it spends time, memory or a saved run."""
+
+import argparse
+import os
+import stat
+
+import pytest
+import torch
+
+from lib import guards
+from lib.errors import UserError
+
+
+@pytest.mark.parametrize("parse,text,ok", [
+    (guards.positive_int, "1", 1), (guards.positive_int, "0", None), (guards.positive_int, "1.5", None),
+    (guards.nonneg_int, "0", 0), (guards.nonneg_int, "-1", None),
+    (guards.positive_float, "3e-4", 3e-4), (guards.positive_float, "0", None), (guards.positive_float, "nan", None),
+    (guards.nonneg_float, "inf", None), (guards.finite_float, "-2.5", -2.5), (guards.finite_float, "-inf", None),
+    (guards.probability, "0", 0.0), (guards.probability, "0.99", 0.99), (guards.probability, "1", None),
+    (guards.probability, "1.5", None),
+])
+def test_argparse_types(parse, text, ok):
+    if ok is None:
+        with pytest.raises(argparse.ArgumentTypeError):
+            parse(text)
+    else:
+        assert parse(text) == ok
+
+
+def test_bad_flag_value_is_one_usage_line_exit_2(capsys):
+    p = argparse.ArgumentParser()
+    p.add_argument("--lr", type=guards.positive_float, default=1e-3)
+    with pytest.raises(SystemExit) as e:
+        p.parse_args(["--lr", "nan"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+
+    assert "argument --lr: 'nan' is not a finite number" in err[-1]
+
+
+def test_output_dir_checks(tmp_path, monkeypatch):
+    guards.check_output_dir(str(tmp_path / "new" / "deeper"))  # not there yet: fine, nothing created
+    assert not (tmp_path / "new").exists()
+    f = tmp_path / "file"
+    f.write_text("x")
+    with pytest.raises(UserError, match="is an existing file"):
+        guards.check_output_dir(str(f))
+    with pytest.raises(UserError, match="which is a file"):
+        guards.check_output_dir(str(f / "sub"), "--cache-dir")
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(stat.S_IRUSR | stat.S_IXUSR)
+    try:
+        if os.access(ro, os.W_OK):  # root writes anywhere: pretend to be a user the mode stops
+            monkeypatch.setattr(os, "access", lambda path, mode: not str(path).startswith(str(ro)))
+        with pytest.raises(UserError, match="not writable"):
+            guards.check_output_dir(str(ro / "out"))
+    finally:
+        ro.chmod(stat.S_IRWXU)
+
+
+def test_refuse_overwrite(tmp_path):
+    guards.refuse_overwrite(str(tmp_path / "absent"), resume=False, overwrite=False)
+    (tmp_path / "metrics.jsonl").write_text("{}\n")
+    guards.refuse_overwrite(str(tmp_path), resume=False, overwrite=False)  # metrics alone are no checkpoint
+    (tmp_path / "model.safetensors").write_bytes(b"x")
+    with pytest.raises(UserError, match="--resume .* --overwrite"):
+        guards.refuse_overwrite(str(tmp_path), resume=False, overwrite=False)
+    guards.refuse_overwrite(str(tmp_path), resume=True, overwrite=False)
+    guards.refuse_overwrite(str(tmp_path), resume=False, overwrite=True)
+
+
+def test_start_metrics(tmp_path):
+    m = tmp_path / "metrics.jsonl"
+    m.write_text('{"step": 0}\n')
+    guards.start_metrics(str(m), resume=True)
+    assert m.exists()
+    guards.start_metrics(str(m), resume=False)
+    assert not m.exists()
+
+
+def test_nonfinite_and_check_finite_weights(tmp_path):
+    good = {"a": torch.ones(3), "steps": torch.tensor([3])}
+    bad = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")]), "c": torch.tensor([float("inf")])}
+    assert guards.nonfinite(good) == []
+    assert guards.nonfinite(bad) == ["b", "c"]
+    assert guards.nonfinite(list(bad.items())) == ["b", "c"]
+    guards.check_finite_weights(good, 5, None, str(tmp_path))
+    with pytest.raises(UserError, match=r"not finite at step 5 \(2 tensors, e.g. b\).*last finite checkpoint is step 4"):
+        guards.check_finite_weights(bad, 5, 4, str(tmp_path))
+    with pytest.raises(UserError, match="no finite checkpoint was saved"):
+        guards.check_finite_weights(bad, 5, None, str(tmp_path))
+
+
+def test_check_memory():
+    cpu = torch.device("cpu")
+    available, what = guards.available_memory(cpu)
+    assert available > 0 and what
+    guards.check_memory(available // 2, cpu, force=False, hint="lower --batch-size")
+    guards.check_memory(available * 2, cpu, force=True, hint="lower --batch-size")  # --force
+    with pytest.raises(UserError, match="exceeds .* lower --batch-size, or pass --force"):
+        guards.check_memory(available * 2, cpu, force=False, hint="lower --batch-size")
+
+
+def test_check_resume_flags():
+    p = argparse.ArgumentParser()
+    p.add_argument("--model-size", default="tiny")
+    p.add_argument("--n-layer", type=int)
+    p.add_argument("--lr", type=float, default=1e-3)
+    saved = {"model_size": "gpt2", "n_layer": None, "lr": 1e-3}
+    said = []
+    # Not named: the saved run's shape is kept, whatever the default is.
+    guards.check_resume_flags(saved, p.parse_args([]), p, ["model_size", "n_layer"], ["lr"], said.append, argv=[])
+    # Named, even when equal to the default, and different from the saved run: refused.
+    with pytest.raises(UserError, match=r"--model-size tiny contradicts the saved run \(--model-size gpt2\)"):
+        argv = ["--model-size", "tiny"]
+        guards.check_resume_flags(saved, p.parse_args(argv), p, ["model_size"], ["lr"], said.append, argv=argv)
+    with pytest.raises(UserError, match="--n-layer 8"):
+        argv = ["--n-layer=8"]
+        guards.check_resume_flags(saved, p.parse_args(argv), p, ["n_layer"], [], said.append, argv=argv)
+    argv = ["--lr", "5e-4", "--model-size", "gpt2"]
+    guards.check_resume_flags(saved, p.parse_args(argv), p, ["model_size"], ["lr"], said.append, argv=argv)
+    assert said == ["--resume: --lr changed from 0.001 to 0.0005"]
