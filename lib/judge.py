@@ -10,8 +10,10 @@ the reference feedback (ROUGE-L F1).
 
 The embedded judge set (used when --data_dir is not given) is synthetic and exactly gradable: an
 English sentence of 10 words, its word-for-word Portuguese reference, and a candidate translation
-that differs from the reference in k of the 10 words; the right answer is `Score: {10 - k}/10`
-with feedback naming the wrong words. It is generated here, deterministically from a seed
+that differs from the reference in k of the 10 words, which it left untranslated; the right answer
+is `Score: {10 - k}/10` with feedback naming those words. (Untranslated words, rather than wrong
+Portuguese ones, keep the task within reach of the 2-layer demo model in minutes of CPU: a wrong
+word can be spotted by what it is, not only by comparing positions.) It is generated here, deterministically from a seed
 (data/make_judge_set.py writes it out as judge_train/val/test.json, the --data_dir format).
 """
 
@@ -44,19 +46,18 @@ PROMPT = "Grade this English to Portuguese translation.\nSource: {source}\nTrans
 
 
 def judge_example(rng: random.Random, score_fn=None) -> dict:
-    """One conversation of the embedded set. score_fn(k, rng) replaces the right score 10 - k (the
-    tiny demo base model is pretrained on answers whose scores ignore the errors, see tiny_base)."""
+    """One conversation of the embedded set: k of the 10 words are left untranslated (still English),
+    the right score is 10 - k and the feedback names those words. score_fn(k, rng) replaces the right
+    score (the tiny demo base is pretrained on answers whose scores ignore the errors, see tiny_base)."""
     picks = [rng.randrange(len(EN_PT)) for _ in range(SENTENCE_WORDS)]
     source = [EN_PT[i][0] for i in picks]
     reference = [EN_PT[i][1] for i in picks]
     k = rng.randint(0, SENTENCE_WORDS)
     wrong = sorted(rng.sample(range(SENTENCE_WORDS), k))
-    candidate = list(reference)
-    for i in wrong:
-        candidate[i] = rng.choice([pt for _, pt in EN_PT if pt != reference[i]])
+    candidate = [source[i] if i in wrong else reference[i] for i in range(SENTENCE_WORDS)]
     score = SENTENCE_WORDS - k if score_fn is None else score_fn(k, rng)
     feedback = ("The translation matches the reference." if not wrong else
-                "Wrong words: " + ", ".join(candidate[i] for i in wrong) + ".")
+                "Untranslated: " + ", ".join(candidate[i] for i in wrong) + ".")
     user = PROMPT.format(source=" ".join(source), candidate=" ".join(candidate), reference=" ".join(reference))
     return {"messages": [{"role": "user", "content": user},
                          {"role": "assistant", "content": f"Score: {score}/10\nFeedback: {feedback}"}]}
@@ -341,7 +342,7 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
 
 # --- the offline demo model: --model tiny ---------------------------------------------------------
 TINY = "tiny"
-TINY_VERSION = "tiny-judge-v1"  # bump when the recipe below changes, so a stale cached base is rebuilt
+TINY_VERSION = "tiny-judge-v2"  # bump when the recipe below changes, so a stale cached base is rebuilt
 TINY_SHAPE = dict(model_type="qwen2", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 TINY_PRETRAIN = dict(steps=150, batch_size=16, lr=3e-3, examples=2400, seed=1234)

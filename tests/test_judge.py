@@ -82,7 +82,8 @@ def test_embedded_set_is_deterministic_and_right():
         wrong = [c for c, r in zip(cand, ref) if c != r]
         assert judge.parse_score(answer) == 10 - len(wrong)
         if wrong:
-            assert judge.parse_feedback(answer) == "Wrong words: " + ", ".join(wrong) + "."
+            assert judge.parse_feedback(answer) == "Untranslated: " + ", ".join(wrong) + "."
+            assert all(w in lines["Source"].split() for w in wrong)
     scores = [judge.parse_score(e["messages"][1]["content"]) for e in a["train"]]
     assert set(scores) == set(range(11))
 
@@ -190,3 +191,110 @@ def test_estimate_matches_a_built_model():
     assert judge.count_params(cfg) == model.num_params()
     lora.apply_lora(model, judge.LORA_TARGETS, 8, 16)
     assert judge.lora_param_count(cfg, 8) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# --- both scripts end to end on --model tiny (CPU) -------------------------------------------------
+import judge_train_cuda  # noqa: E402
+import judge_train_mps  # noqa: E402
+from conftest import read_metrics  # noqa: E402
+
+QUICK = ["--model", "tiny", "--device", "cpu", "--log_interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, isolated_cache_module):
+    """One short fine-tuning run of the MPS script on the tiny demo (the base is built once per session)."""
+    out = str(tmp_path_factory.mktemp("judge_mps"))
+    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "480", "--epochs", "2",
+                                "--eval_steps", "10", "--test_samples", "40"])
+    return out, res
+
+
+@pytest.fixture(scope="module")
+def isolated_cache_module(tmp_path_factory):
+    # The autouse isolated_cache fixture is function-scoped; the module fixtures need the same cache.
+    cache = tmp_path_factory.getbasetemp() / "byhand-cache"
+    old = os.environ.get("BYHAND_CACHE")
+    os.environ["BYHAND_CACHE"] = str(cache)
+    yield str(cache)
+    if old is None:
+        os.environ.pop("BYHAND_CACHE", None)
+    else:
+        os.environ["BYHAND_CACHE"] = old
+
+
+def test_fine_tuned_judge_beats_untrained(trained):
+    out, res = trained
+    base, after = res["baseline"], res["test"]
+    assert base["n"] == after["n"] == 40
+    assert after["unparseable"] <= 2
+    assert after["mae"] < base["mae"] - 0.3, (base["mae"], after["mae"])
+    # the PEFT adapter, the tokenizer, the predictions and the metrics are all in --output_dir
+    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and sorted(cfg["target_modules"]) == sorted(judge.LORA_TARGETS)
+    assert cfg["base_model_name_or_path"].endswith(judge.TINY_VERSION)
+    preds = json.load(open(os.path.join(out, "test_predictions.json")))
+    assert len(preds) == 40 and {"prediction", "reference", "predicted_score"} <= set(preds[0])
+    records = read_metrics(out)
+    assert records[0]["event"] == "start" and records[0]["seed"] == 0
+    test_rec = [r for r in records if r.get("event") == "test"][0]
+    assert test_rec["mae"] == after["mae"]
+    assert any(r.get("best") for r in records if "val_loss" in r)
+
+
+def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
+    out, res = trained
+    # the MPS script's adapter on the CUDA script's NF4 base (CPU fallback), no training
+    ev = judge_train_cuda.main([*QUICK, "--adapter", out, "--epochs", "0", "--output_dir", str(tmp_path / "cuda_eval"),
+                                "--test_samples", "40"])
+    assert ev["test"]["mae"] < res["baseline"]["mae"] - 0.3  # NF4 rounding of the base, same judge
+    # and the CUDA script's adapter (NF4, 8-bit AdamW, checkpointing) read back by the MPS script
+    cuda_out = str(tmp_path / "cuda_train")
+    trained_cuda = judge_train_cuda.main([*QUICK, "--output_dir", cuda_out, "--max_samples", "64", "--epochs", "1",
+                                          "--skip_eval"])
+    assert trained_cuda["best_step"] is not None
+    back = judge_train_mps.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
+                                 str(tmp_path / "mps_eval"), "--test_samples", "8", "--max_new_tokens", "12"])
+    assert back["test"]["n"] == 8
+
+
+def test_overwrite_refusal_and_resume_flag_check(trained, capsys):
+    out, _ = trained
+    with pytest.raises(SystemExit) as e:
+        judge_train_mps.main([*QUICK, "--output_dir", out, "--epochs", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "already holds a saved run" in err and "--overwrite" in err and "--resume" in err
+    with pytest.raises(SystemExit) as e:
+        judge_train_mps.main([*QUICK, "--output_dir", out, "--resume", "--batch_size", "4"])
+    assert e.value.code == 2 and "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
+
+
+def test_resume_is_exact(tmp_path, monkeypatch, isolated_cache_module):
+    from lib import optim
+
+    args = [*QUICK, "--max_samples", "96", "--gradient_accumulation", "1", "--epochs", "2", "--eval_steps", "4",
+            "--skip_eval"]  # 6 steps an epoch, 12 in all, evaluations at 0, 4, 8 and the end
+    straight = str(tmp_path / "straight")
+    judge_train_mps.main([*args, "--output_dir", straight])
+    # the same run, interrupted (Ctrl-C) as step 7 starts, then resumed
+    resumed = str(tmp_path / "resumed")
+    real = optim.lr_at
+
+    def interrupting(step, *a):
+        if step == 7:
+            raise KeyboardInterrupt
+        return real(step, *a)
+
+    monkeypatch.setattr(optim, "lr_at", interrupting)
+    with pytest.raises(SystemExit) as e:
+        judge_train_mps.main([*args, "--output_dir", resumed])
+    assert e.value.code == 130
+    monkeypatch.setattr(optim, "lr_at", real)
+    judge_train_mps.main([*args, "--output_dir", resumed, "--resume"])
+    a = {r["step"]: r["loss"] for r in read_metrics(straight) if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(resumed) if "loss" in r}
+    assert len(a) == 12 and a == b
+    va = [(r["step"], r["val_loss"]) for r in read_metrics(straight) if "val_loss" in r and "event" not in r]
+    vb = [(r["step"], r["val_loss"]) for r in read_metrics(resumed) if "val_loss" in r and "event" not in r]
+    assert va == vb and len(va) == 4
