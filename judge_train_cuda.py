@@ -59,10 +59,13 @@ def main(argv=None):
         return run(args, parser, argv)
     except UserError as e:
         report_and_exit(e)
+    except KeyboardInterrupt:  # before the training loop, which saves and exits 130 itself
+        print("\ninterrupted before training started; nothing was saved", file=sys.stderr)
+        sys.exit(130)
 
 
 def run(args, parser=None, argv=None):
-    judge.resolve_defaults(args, lr=2e-4, batch_size=2)
+    judge.resolve_defaults(args, lr=2e-4, batch_size=2, accumulation=2)
 
     # --- device: CUDA; without it the CPU, with a warning ---------------------------------------------
     device = devices.pick_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))

@@ -54,10 +54,13 @@ def main(argv=None):
         return run(args, parser, argv)
     except UserError as e:
         report_and_exit(e)
+    except KeyboardInterrupt:  # before the training loop, which saves and exits 130 itself
+        print("\ninterrupted before training started; nothing was saved", file=sys.stderr)
+        sys.exit(130)
 
 
 def run(args, parser=None, argv=None):
-    judge.resolve_defaults(args, lr=1e-4, batch_size=1)
+    judge.resolve_defaults(args, lr=1e-4, batch_size=1, accumulation=2)
 
     # --- device: MPS, else CPU (CUDA only when asked for: that is judge_train_cuda.py's job) ----------
     if args.device:

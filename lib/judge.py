@@ -490,13 +490,13 @@ def add_arguments(p, script: str, model: str, lr: float, batch_size: int, accumu
                    help="hub id (downloaded to --cache-dir; HF_TOKEN for gated models), a local Hugging Face "
                    "model directory, or 'tiny' for the offline demo (a tiny base built and cached on first use)")
     p.add_argument("--epochs", type=guards.nonneg_int, default=None,
-                   help="passes over the training split (default 3; 4 with --model tiny); 0 evaluates only")
+                   help="passes over the training split (default 3; 2 with --model tiny); 0 evaluates only")
     p.add_argument("--batch_size", "--batch-size", type=guards.positive_int, default=None,
-                   help=f"conversations per micro-batch (default {batch_size}; 16 with --model tiny)")
-    p.add_argument("--gradient_accumulation", "--grad-accum", type=guards.positive_int, default=accumulation,
-                   help="micro-batches per optimizer step")
+                   help=f"conversations per micro-batch (default {batch_size}; 8 with --model tiny)")
+    p.add_argument("--gradient_accumulation", "--grad-accum", type=guards.positive_int, default=None,
+                   help=f"micro-batches per optimizer step (default {accumulation}; 1 with --model tiny)")
     p.add_argument("--lr", type=guards.positive_float, default=None,
-                   help=f"peak learning rate (default {lr:g}; 2e-3 with --model tiny, whose LoRA must learn in minutes)")
+                   help=f"peak learning rate (default {lr:g}; 3e-3 with --model tiny, whose LoRA must learn in minutes)")
     p.add_argument("--max_seq_length", "--max-seq-length", type=guards.positive_int, default=512,
                    help="tokens per conversation at most (the prompt is cut from the left)")
     p.add_argument("--max_samples", "--max-samples", type=guards.positive_int, default=None,
@@ -514,7 +514,7 @@ def add_arguments(p, script: str, model: str, lr: float, batch_size: int, accumu
     p.add_argument("--lora_r", "--lora-r", type=guards.positive_int, default=None,
                    help="LoRA rank (default by model size: 16 for 1-3B parameters, else 8; alpha = 2 r)")
     p.add_argument("--eval_steps", "--eval-steps", type=guards.positive_int, default=None,
-                   help="validation loss (and best-adapter check) every N optimizer steps (default 100; 25 with --model tiny)")
+                   help="validation loss (and best-adapter check) every N optimizer steps (default 100; 50 with --model tiny)")
     p.add_argument("--warmup_steps", "--warmup-steps", type=guards.nonneg_int, default=100,
                    help="linear warmup steps (at most a tenth of the run), then cosine decay to 10%%")
     p.add_argument("--patience", type=guards.positive_int, default=3,
@@ -537,13 +537,14 @@ def add_arguments(p, script: str, model: str, lr: float, batch_size: int, accumu
     guards.add_safety_flags(p)
 
 
-def resolve_defaults(args, lr: float, batch_size: int):
-    """Fill the defaults that depend on --model tiny."""
+def resolve_defaults(args, lr: float, batch_size: int, accumulation: int):
+    """Fill the defaults that depend on --model tiny (the demo: many small steps, so LoRA learns in minutes)."""
     tiny = args.model == TINY
-    args.epochs = (4 if tiny else 3) if args.epochs is None else args.epochs
-    args.batch_size = args.batch_size or (16 if tiny else batch_size)
-    args.lr = args.lr or (2e-3 if tiny else lr)
-    args.eval_steps = args.eval_steps or (25 if tiny else 100)
+    args.gradient_accumulation = args.gradient_accumulation or (1 if tiny else accumulation)
+    args.epochs = (2 if tiny else 3) if args.epochs is None else args.epochs
+    args.batch_size = args.batch_size or (8 if tiny else batch_size)
+    args.lr = args.lr or (3e-3 if tiny else lr)
+    args.eval_steps = args.eval_steps or (50 if tiny else 100)
     args.max_new_tokens = args.max_new_tokens or (48 if tiny else 256)
     args.baseline_eval = args.baseline_eval or tiny
     if args.resume and args.adapter:
@@ -623,6 +624,8 @@ def run(args, v: Variant, parser=None, argv=None, log=print) -> dict:
         guards.check_resume_flags(json.loads(state["args"]), args, parser, RESUME_FIXED, RESUME_CHANGEABLE, log, argv)
         args.model = json.loads(state["args"])["model"]
 
+    data = load_judge_data(args.data_dir)  # read and checked before any model is built or downloaded
+
     # --- base model directory and tokenizer ----------------------------------------------------------
     model_dir = tiny_base(args.cache_dir, log) if tiny else llama.resolve_model(args.model, args.cache_dir, log)
     cfg = llama.read_config(model_dir)
@@ -634,7 +637,6 @@ def run(args, v: Variant, parser=None, argv=None, log=print) -> dict:
         r, alpha = saved["r"], saved["lora_alpha"]
 
     # --- data: conversations, tokenised with the prompt masked ----------------------------------------
-    data = load_judge_data(args.data_dir)
     train, val, test = data["train"], data["val"], data["test"]
     if args.max_samples:
         train, val = train[:args.max_samples], val[:max(1, args.max_samples // 5)]
@@ -666,7 +668,7 @@ def run(args, v: Variant, parser=None, argv=None, log=print) -> dict:
         lora.apply_lora(model, LORA_TARGETS, r, alpha, LORA_DROPOUT, dtype=torch.float32)
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
-    n_lora, n_total = len(params) and sum(p.numel() for p in params), model.num_params()
+    n_lora, n_total = sum(p.numel() for p in params), model.num_params()
     log(f"model: {model_dir} ({n_total / 1e6:.1f}M parameters, base {v.base}); LoRA r={r} alpha={alpha} "
         f"dropout {LORA_DROPOUT} on {', '.join(LORA_TARGETS)}: {n_lora:,} trainable; device {device}, "
         f"{'fp32' if v.amp is None else str(v.amp).replace('torch.', '') + ' autocast'}")

@@ -205,8 +205,8 @@ QUICK = ["--model", "tiny", "--device", "cpu", "--log_interval", "5"]
 def trained(tmp_path_factory, isolated_cache_module):
     """One short fine-tuning run of the MPS script on the tiny demo (the base is built once per session)."""
     out = str(tmp_path_factory.mktemp("judge_mps"))
-    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "480", "--epochs", "2",
-                                "--eval_steps", "10", "--test_samples", "40"])
+    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "800", "--eval_steps", "50",
+                                "--test_samples", "24", "--log_interval", "50"])
     return out, res
 
 
@@ -226,15 +226,17 @@ def isolated_cache_module(tmp_path_factory):
 def test_fine_tuned_judge_beats_untrained(trained):
     out, res = trained
     base, after = res["baseline"], res["test"]
-    assert base["n"] == after["n"] == 40
-    assert after["unparseable"] <= 2
-    assert after["mae"] < base["mae"] - 0.3, (base["mae"], after["mae"])
+    assert base["n"] == after["n"] == 24
+    assert after["unparseable"] <= 1
+    # measured: 4.1 untrained (it grades 7-10 whatever the errors) -> 1.8 after 200 steps; a constant answer 2.9
+    assert after["mae"] < base["mae"] - 1.0, (base["mae"], after["mae"])
+    assert after["pearson_r"] > 0.5
     # the PEFT adapter, the tokenizer, the predictions and the metrics are all in --output_dir
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and sorted(cfg["target_modules"]) == sorted(judge.LORA_TARGETS)
     assert cfg["base_model_name_or_path"].endswith(judge.TINY_VERSION)
     preds = json.load(open(os.path.join(out, "test_predictions.json")))
-    assert len(preds) == 40 and {"prediction", "reference", "predicted_score"} <= set(preds[0])
+    assert len(preds) == 24 and {"prediction", "reference", "predicted_score"} <= set(preds[0])
     records = read_metrics(out)
     assert records[0]["event"] == "start" and records[0]["seed"] == 0
     test_rec = [r for r in records if r.get("event") == "test"][0]
@@ -246,11 +248,11 @@ def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
     out, res = trained
     # the MPS script's adapter on the CUDA script's NF4 base (CPU fallback), no training
     ev = judge_train_cuda.main([*QUICK, "--adapter", out, "--epochs", "0", "--output_dir", str(tmp_path / "cuda_eval"),
-                                "--test_samples", "40"])
-    assert ev["test"]["mae"] < res["baseline"]["mae"] - 0.3  # NF4 rounding of the base, same judge
+                                "--test_samples", "24"])
+    assert ev["test"]["mae"] < res["baseline"]["mae"] - 1.0  # the same judge on an NF4-rounded base
     # and the CUDA script's adapter (NF4, 8-bit AdamW, checkpointing) read back by the MPS script
     cuda_out = str(tmp_path / "cuda_train")
-    trained_cuda = judge_train_cuda.main([*QUICK, "--output_dir", cuda_out, "--max_samples", "64", "--epochs", "1",
+    trained_cuda = judge_train_cuda.main([*QUICK, "--output_dir", cuda_out, "--max_samples", "32", "--epochs", "1",
                                           "--skip_eval"])
     assert trained_cuda["best_step"] is not None
     back = judge_train_mps.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
@@ -273,8 +275,8 @@ def test_overwrite_refusal_and_resume_flag_check(trained, capsys):
 def test_resume_is_exact(tmp_path, monkeypatch, isolated_cache_module):
     from lib import optim
 
-    args = [*QUICK, "--max_samples", "96", "--gradient_accumulation", "1", "--epochs", "2", "--eval_steps", "4",
-            "--skip_eval"]  # 6 steps an epoch, 12 in all, evaluations at 0, 4, 8 and the end
+    args = [*QUICK, "--max_samples", "48", "--epochs", "2", "--eval_steps", "4",
+            "--skip_eval"]  # batch 8: 6 steps an epoch, 12 in all, evaluations at 0, 4, 8 and the end
     straight = str(tmp_path / "straight")
     judge_train_mps.main([*args, "--output_dir", straight])
     # the same run, interrupted (Ctrl-C) as step 7 starts, then resumed
