@@ -42,7 +42,7 @@ SCRIPT = "judge_train_mps"
 # --- arguments ------------------------------------------------------------------------------------
 def build_parser():
     p = argparse.ArgumentParser(description="Fine-tune a LoRA translation judge on an fp32 base (Apple MPS or CPU).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=judge.HelpFormatter)
     judge.add_arguments(p, SCRIPT, model="Qwen/Qwen2-1.5B-Instruct", lr=1e-4, batch_size=1, accumulation=2)
     return p
 

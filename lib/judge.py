@@ -13,10 +13,12 @@ English sentence of 10 words, its word-for-word Portuguese reference, and a cand
 that differs from the reference in k of the 10 words, which it left untranslated; the right answer
 is `Score: {10 - k}/10` with feedback naming those words. (Untranslated words, rather than wrong
 Portuguese ones, keep the task within reach of the 2-layer demo model in minutes of CPU: a wrong
-word can be spotted by what it is, not only by comparing positions.) It is generated here, deterministically from a seed
-(data/make_judge_set.py writes it out as judge_train/val/test.json, the --data_dir format).
+word can be spotted by what it is, not only by comparing positions.) It is generated here,
+deterministically from a seed (data/make_judge_set.py writes it out as judge_train/val/test.json,
+the --data_dir format).
 """
 
+import argparse
 import json
 import math
 import os
@@ -364,7 +366,7 @@ def tiny_base(cache_dir: str, log=print) -> str:
 
     A stand-in for a downloaded instruct model, honest about what it knows: a byte-level BPE is learned
     on the judge texts (lib.chat_tokenizer.make_tiny_tokenizer, ChatML specials), then a 2-layer,
-    64-wide Qwen2-shaped decoder is pretrained (all weights, a few hundred steps) on judge
+    64-wide Qwen2-shaped decoder is pretrained (all weights, 150 steps of 16) on judge
     conversations drawn with another seed than the embedded set, whose scores come from
     lenient_score: 7-10 whatever the errors. So the base knows the words, the template and the answer
     format, but its scores carry no information about the translation; what LoRA fine-tuning
@@ -482,6 +484,13 @@ def validation_loss(model, encoded: list, batch_size: int, pad_id: int, device, 
 
 
 # --- the flags both scripts take ------------------------------------------------------------------
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """argparse's "(default: X)", except where the help already says the default (the per-model ones)."""
+
+    def _get_help_string(self, action):
+        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
+
+
 def add_arguments(p, script: str, model: str, lr: float, batch_size: int, accumulation: int):
     """The original scripts' snake_case flags, with the repository's kebab-case names as aliases."""
     from lib import guards
@@ -504,7 +513,7 @@ def add_arguments(p, script: str, model: str, lr: float, batch_size: int, accumu
     p.add_argument("--test_samples", "--test-samples", type=guards.positive_int, default=None,
                    help="evaluate on only the first N test conversations")
     p.add_argument("--data_dir", "--data-dir", default=None,
-                   help="directory with judge_train.json, judge_val.json, judge_test.json; default: the embedded judge set")
+                   help="directory with judge_train.json, judge_val.json, judge_test.json (default: the embedded judge set)")
     p.add_argument("--output_dir", "--output-dir", "--out-dir", default=f"out/{script}",
                    help="where the best adapter (PEFT layout), tokenizer, training state, metrics.jsonl and "
                    "test_predictions.json go")
@@ -527,7 +536,8 @@ def add_arguments(p, script: str, model: str, lr: float, batch_size: int, accumu
                    help="also evaluate the untrained judge (the base) on the test set first (always on with --model tiny)")
     p.add_argument("--log_interval", "--log-interval", type=guards.positive_int, default=10, help="steps between progress lines")
     p.add_argument("--seed", type=int, default=0, help="seed for LoRA init, dropout and the data order")
-    p.add_argument("--device", default=None, choices=["cuda", "mps", "cpu"], help="default: cuda, then mps, then cpu")
+    p.add_argument("--device", default=None, choices=["cuda", "mps", "cpu"],
+                   help="device to run on (default: MPS, else CPU for judge_train_mps.py; CUDA, else CPU for judge_train_cuda.py)")
     p.add_argument("--cache-dir", "--cache_dir", default=os.environ.get("BYHAND_CACHE", os.path.expanduser("~/.cache/byhand")),
                    help="hub downloads and the tiny demo base (env BYHAND_CACHE)")
     p.add_argument("--resume", action="store_true", help="continue the run saved in --output_dir exactly")
