@@ -300,3 +300,20 @@ def test_resume_is_exact(tmp_path, monkeypatch, isolated_cache_module):
     va = [(r["step"], r["val_loss"]) for r in read_metrics(straight) if "val_loss" in r and "event" not in r]
     vb = [(r["step"], r["val_loss"]) for r in read_metrics(resumed) if "val_loss" in r and "event" not in r]
     assert va == vb and len(va) == 4
+
+
+def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch, isolated_cache_module):
+    real = torch.nn.utils.clip_grad_norm_
+    calls = {"n": 0}
+
+    def first_is_nan(params, max_norm):
+        calls["n"] += 1
+        real(params, max_norm)
+        return torch.tensor(float("nan")) if calls["n"] == 1 else real(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", first_is_nan)
+    out = str(tmp_path / "nan")
+    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "16", "--epochs", "1", "--skip_eval"])
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    assert [r.get("skipped", False) for r in steps] == [True, False]
+    assert res["best_step"] is not None
