@@ -592,6 +592,20 @@ def make_optimizer(params, v: Variant, lr: float):
 
 def run(args, v: Variant, parser=None, argv=None, log=print) -> dict:
     """Fine-tune (or, with --epochs 0, only evaluate) a LoRA judge; returns the figures it printed."""
+    if args.model != TINY or v.device.type != "cpu" or torch.get_num_threads() == 1:
+        return _run(args, v, parser, argv, log)
+    # The demo's 64-wide matmuls are too small to share between threads, and on a busy machine the
+    # threads mostly wait for each other (measured on a loaded 2-core CPU: building the tiny base took
+    # 403 s with 2 threads, 71 s with 1). One thread for the demo, the caller's setting afterwards.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run(args, v, parser, argv, log)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args, v: Variant, parser, argv, log) -> dict:
     from lib import chat_tokenizer, guards, llama, lora, optim
     from lib import device as devices
     from lib.checkpoint import atomic_write, save_json
