@@ -2,7 +2,7 @@
 
     python finetune_lora.py                                         # train.py's out/train on the stdlib's tests, CPU
     python finetune_lora.py --init-from gpt2 --data my_text --steps 500
-    python finetune_lora.py --adapter out/finetune_lora --steps 0 --merge   # evaluate, sample, merge a saved adapter
+    python finetune_lora.py --adapter out/finetune_lora --steps 0 --merge --out-dir out/merged_lora  # evaluate, merge
 
 Every adapted linear computes W x + (alpha / r) B A x with W frozen; only A and B (a fraction of a
 percent of the parameters) get gradients and AdamW moments. The adapter is saved in the Hugging Face
@@ -20,32 +20,33 @@ import sys
 
 import torch
 
-from lib import checkpoint, data, finetune, lora, memory, metrics, optim, tokenizer
+from lib import checkpoint, data, finetune, guards, lora, memory, metrics, optim, tokenizer
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
 
 # --- arguments ------------------------------------------------------------------------------------
-def parse_args(argv=None):
+def make_parser():
     p = argparse.ArgumentParser(
         description="Fine-tune GPT-2 with LoRA adapters on a frozen base (PEFT-layout adapters, optional merge).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=finetune.HelpFormatter,
     )
     finetune.add_arguments(p, out_dir="out/finetune_lora", dtype_help=(
         "autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS. Under 16-bit "
         "autocast the frozen block weights are stored in that dtype (LoRA's A and B stay fp32)"))
-    return p.parse_args(argv)
+    return p
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)  # a bad value ends here: one usage line, exit 2
     try:
-        return run(args)
+        return run(args, parser, argv)
     except UserError as e:
         report_and_exit(e)
 
 
-def run(args):
+def run(args, parser, argv=None):
     finetune.check_arguments(args)
     log = print
 
@@ -62,20 +63,10 @@ def run(args):
     base_name = finetune.dtype_name(amp)
     lora_dtype = torch.float32
 
-    # --- base model configuration -----------------------------------------------------------------
-    settings = finetune.lora_settings(args)
-    if args.adapter:
-        settings = finetune.read_adapter_settings(args.adapter)
-    state, model_dir = None, None
-    if args.estimate_memory:
-        cfg = finetune.config_for_estimate(args.init_from, args.cache_dir, log)  # config.json only
-    else:
-        if args.resume:
-            state = finetune.load_state_for_resume(args.out_dir, settings, args.init_from, args.cache_dir)
-            settings, model_dir = state["lora"], state["base"]
-        else:
-            model_dir = finetune.resolve_base(args.init_from, args.cache_dir, log)
-        cfg = finetune.read_config(model_dir)
+    # --- base model configuration, and every check that needs no work ------------------------------
+    # Paths, the run saved in --out-dir (--resume continues it, nothing replaces it without
+    # --overwrite), the base's config.json, --resume's flags, the --adapter files: all before any work.
+    state, settings, cfg = finetune.resolve_run(args, parser, argv, log)
     block_size = args.block_size or cfg.block_size
     if block_size > cfg.block_size:
         raise UserError(f"--block-size {block_size} exceeds the base model's {cfg.block_size} positions; use at most {cfg.block_size}")
@@ -83,8 +74,8 @@ def run(args):
         raise UserError(f"vocabulary mismatch: the base has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer needs "
                         f"{tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
     tokens_per_step = args.batch_size * block_size * args.grad_accum
-    log(f"base: {model_dir or args.init_from or finetune.DEFAULT_BASE} ({cfg.n_layer} layers, {cfg.n_head} heads, "
-        f"{cfg.n_embd} wide), block weights in {base_name}; LoRA r={settings['r']} "
+    log(f"base: {state['base'] if state else args.init_from or finetune.DEFAULT_BASE} ({cfg.n_layer} layers, "
+        f"{cfg.n_head} heads, {cfg.n_embd} wide), block weights in {base_name}; LoRA r={settings['r']} "
         f"alpha={settings['alpha']:g} on {', '.join(settings['targets'])}; device {device}, "
         f"{finetune.dtype_name(amp)}{' autocast' if amp else ''}; {tokens_per_step:,} tokens per step")
     estimate = memory.estimate_lora_finetuning(cfg, args.batch_size, block_size, device.type, amp is not None, base_name,
@@ -92,6 +83,9 @@ def run(args):
     if args.estimate_memory:
         log(memory.format_table(estimate))
         return estimate
+    guards.check_memory(sum(estimate.values()), device, args.force, "lower --batch-size or --block-size, adapt fewer "
+                        "--lora-targets, or hold the base in 4 bits with finetune_qlora.py")
+    model_dir = finetune.base_weights(args, state, cfg, log)  # a hub id's weights are downloaded now
 
     # --- data -------------------------------------------------------------------------------------
     data_dir = data.prepare(args.data, args.cache_dir, log=log)
@@ -127,7 +121,9 @@ def run(args):
         log(f"resuming from step {start_step} in {args.out_dir}")
 
     # --- training loop ----------------------------------------------------------------------------
-    metrics_log = metrics.MetricsLog(os.path.join(args.out_dir, "metrics.jsonl"))
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    guards.start_metrics(metrics_path, args.resume)  # a fresh run's log starts empty; --resume appends
+    metrics_log = metrics.MetricsLog(metrics_path)
     metrics_log.log(event="start", seed=args.seed, step=start_step, device=str(device), dtype=finetune.dtype_name(amp),
                     base=model_dir, lora=settings,
                     n_params=n_total, n_trainable=n_lora, config=vars(cfg), args=vars(args))
@@ -141,7 +137,8 @@ def run(args):
     # next_step moves only once optimizer.step() has run: an interrupt anywhere in a step saves a
     # state that --resume continues without repeating or skipping an update.
     step = next_step = start_step
-    last_saved = start_step
+    # The last step saved with finite weights: what a stop for NaN names (None: nothing saved yet).
+    last_finite = start_step if state is not None else None
     val_loss = None
     try:
         for step in range(start_step, args.steps):
@@ -164,17 +161,21 @@ def run(args):
                 loss_sum += loss.detach()
             loss_value = loss_sum.item()
             if not math.isfinite(loss_value):
-                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update. The last good "
-                                f"adapter (step {last_saved}) in {args.out_dir} is kept; lower --lr or check the data")
+                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, "
+                                f"{guards.last_finite_text(last_finite, args.out_dir)}; lower --lr or check the data")
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or float("inf")).item()
-            scaler.step(optimizer)
+            skipped = not math.isfinite(grad_norm)
+            if skipped:  # as GradScaler does: a NaN or inf gradient never reaches A and B
+                log(f"step {step}: gradient norm is {grad_norm}; update skipped")
+            else:
+                scaler.step(optimizer)
             next_step = step + 1
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             speed.add(tokens_per_step)
 
-            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=None if skipped else grad_norm, skipped=skipped)
             if step % args.log_interval == 0 or step == args.steps - 1:
                 devices.synchronize(device)
                 tok_s, sec_per_step, eta = speed.report(step + 1)
@@ -185,12 +186,12 @@ def run(args):
             metrics_log.log(**record)
 
             if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
-                finetune.save(args.out_dir, model, optimizer, step + 1, model_dir, settings, first_val, amp, args)
-                last_saved = step + 1
+                last_finite = finetune.save(args.out_dir, model, optimizer, step + 1, model_dir, settings, first_val,
+                                            amp, args, last_finite)
         step = max(args.steps, start_step)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
-        finetune.save(args.out_dir, model, optimizer, next_step, model_dir, settings, first_val, amp, args)
+        finetune.save(args.out_dir, model, optimizer, next_step, model_dir, settings, first_val, amp, args, last_finite)
         print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
         sys.exit(130)
 
@@ -200,7 +201,7 @@ def run(args):
     metrics_log.log(step=step, val_loss=val_loss)
     trained = step > start_step
     if trained:
-        finetune.save(args.out_dir, model, optimizer, step, model_dir, settings, first_val, amp, args)
+        finetune.save(args.out_dir, model, optimizer, step, model_dir, settings, first_val, amp, args, last_finite)
         log(f"saved the adapter to {args.out_dir}/{lora.CONFIG_NAME} and {lora.WEIGHTS_NAME} (PEFT layout), "
             f"and {checkpoint.STATE} for --resume")
 

@@ -7,6 +7,10 @@
 Read it top to bottom: arguments, device, tokenizer, data, model, optimiser, memory and speed, training loop,
 checkpoint, sample. With the same seed and flags it prints train.py's loss at every step, writes the same files
 and shares its data cache; only its --init-from takes a local directory, never a hub id to download.
+It checks what train.py checks (lib/guards.py there, inline here): flags and paths before any work, no
+silent overwrite of a saved run, --resume flags against the saved run, finite checkpoints only, memory
+before allocating. Under torchrun, Ctrl-C saves and the workers exit 130, but torchrun itself ends with
+its own `...SignalException: Process <pid> got signal: 2` traceback and status 1 (see the README).
 """
 
 import argparse
@@ -25,6 +29,7 @@ import signal
 import socket
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -52,63 +57,187 @@ class UserError(Exception):
 
 
 # --- arguments ----------------------------------------------------------------------------------
-def parse_args(argv=None):
+def number(kind, test, what):
+    """An argparse type: a bad value (nan and inf included) ends in argparse's one-line error, exit 2."""
+    def parse(text):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not {'an integer' if kind is int else 'a number'}") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not a finite number")
+        if not test(value):
+            raise argparse.ArgumentTypeError(f"{text!r} must be {what}")
+        return value
+    return parse
+
+
+positive_int, nonneg_int = number(int, lambda v: v >= 1, "at least 1"), number(int, lambda v: v >= 0, "0 or more")
+positive_float, nonneg_float = number(float, lambda v: v > 0, "greater than 0"), number(float, lambda v: v >= 0, "0 or more")
+probability = number(float, lambda v: 0 <= v < 1, "at least 0 and below 1")
+
+
+def make_parser():
     p = argparse.ArgumentParser(description="Pretrain GPT-2 from scratch in one file (train.py: the same with lib/).",
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of them, prepared shards, or 'stdlib'")
     g.add_argument("--cache-dir", default=os.environ.get("BYHAND_CACHE", os.path.expanduser("~/.cache/byhand")),
-                   help="where prepared shards are kept (shared with train.py)")
+                   help="where prepared shards are kept, shared with train.py ($BYHAND_CACHE, else ~/.cache/byhand)")
     g = p.add_argument_group("model")
     g.add_argument("--model-size", default="tiny", choices=list(MODEL_SIZES), help="a GPT-2 shape")
-    g.add_argument("--n-layer", type=int, help="override the shape's layer count")
-    g.add_argument("--n-head", type=int, help="override the shape's head count")
-    g.add_argument("--n-embd", type=int, help="override the shape's width")
-    g.add_argument("--block-size", type=int, help="sequence length (if unset: the shape's, or the checkpoint's)")
-    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--n-layer", type=positive_int, help="override the shape's layer count")
+    g.add_argument("--n-head", type=positive_int, help="override the shape's head count")
+    g.add_argument("--n-embd", type=positive_int, help="override the shape's width")
+    g.add_argument("--block-size", type=positive_int,
+                   help="sequence length; if unset, the shape's, or the checkpoint's with --init-from")
+    g.add_argument("--dropout", type=probability, default=0.0, help="dropout probability (GPT-2 used 0.1)")
     g.add_argument("--init-from", help="start from a Hugging Face GPT-2 directory (config.json + model.safetensors)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per process")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate as a fraction of --lr")
-    g.add_argument("--warmup-steps", type=int, default=30)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.95)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--steps", type=nonneg_int, default=300, help="optimizer steps in total")
+    g.add_argument("--batch-size", type=positive_int, default=8, help="sequences per micro-batch per process")
+    g.add_argument("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=positive_float, default=2e-3, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=nonneg_float, default=0.1, help="final learning rate as a fraction of --lr (0 to 1)")
+    g.add_argument("--warmup-steps", type=nonneg_int, default=30, help="steps of linear learning-rate warmup")
+    g.add_argument("--weight-decay", type=nonneg_float, default=0.1, help="AdamW weight decay (matrices and embeddings only)")
+    g.add_argument("--beta1", type=probability, default=0.9, help="AdamW beta1 (0 to below 1)")
+    g.add_argument("--beta2", type=probability, default=0.95, help="AdamW beta2 (0 to below 1)")
+    g.add_argument("--grad-clip", type=nonneg_float, default=1.0, help="clip the global gradient norm (0: off)")
     g = p.add_argument_group("run")
-    g.add_argument("--device", help="cuda, mps or cpu (if unset: the first available, in that order)")
+    g.add_argument("--device", help="cuda, cuda:N, mps or cpu; if unset, the first available of cuda, mps, cpu")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--seed", type=nonneg_int, default=1337, help="seeds the weights, the data order and dropout")
     g.add_argument("--out-dir", default="out/onefile_train", help="checkpoint, training state and metrics")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --out-dir")
-    g.add_argument("--eval-interval", type=int, default=100, help="steps between validation losses")
-    g.add_argument("--eval-batches", type=int, default=10, help="batches per validation loss")
-    g.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints (and one at the end)")
-    g.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
-    g.add_argument("--peak-flops", type=float, help="peak FLOP/s of the device, for MFU where it is not in the table")
+    g.add_argument("--overwrite", action="store_true",
+                   help="start a fresh run even if --out-dir already holds a saved one (it is replaced)")
+    g.add_argument("--force", action="store_true", help="run even when the memory estimate exceeds what the device has free")
+    g.add_argument("--eval-interval", type=positive_int, default=100, help="steps between validation losses")
+    g.add_argument("--eval-batches", type=positive_int, default=10, help="batches per validation loss")
+    g.add_argument("--save-interval", type=positive_int, default=100, help="steps between checkpoints (and one at the end)")
+    g.add_argument("--log-interval", type=positive_int, default=10, help="steps between progress lines")
+    g.add_argument("--peak-flops", type=positive_float, help="peak FLOP/s of the device, for MFU where it is not in the table")
     g.add_argument("--estimate-memory", action="store_true", help="print the predicted memory breakdown and exit")
     g = p.add_argument_group("sample")
-    g.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: none)")
-    g.add_argument("--prompt", default="", help="sample prompt (if empty: start a new file after <|endoftext|>)")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=200)
-    return p.parse_args(argv)
+    g.add_argument("--sample-tokens", type=nonneg_int, default=200, help="tokens to generate at the end (0: none)")
+    g.add_argument("--prompt", default="", help="sample prompt; if empty, start a new file after <|endoftext|>")
+    g.add_argument("--temperature", type=nonneg_float, default=0.8, help="sampling temperature (0: always the most likely token)")
+    g.add_argument("--top-k", type=positive_int, default=200, help="sample from the k most likely tokens only")
+    return p
+
+
+# --- guards: check before spending (train.py has the same rules in lib/guards.py) ----------------
+def check_args(args):
+    """Flags and paths that can be checked before any work: one line and exit 2, never a traceback."""
+    for flag, path, create in (("--out-dir", args.out_dir, not args.estimate_memory),
+                               ("--cache-dir", args.cache_dir, not args.estimate_memory
+                                and not os.path.isfile(os.path.join(args.data, "meta.json")))):
+        path = parent = os.path.abspath(path)
+        while not os.path.exists(parent):  # the nearest part of the path that exists decides
+            parent = os.path.dirname(parent)
+        if not os.path.isdir(parent):
+            where = "is an existing file, not a directory" if parent == path else f"lies under {parent}, which is a file"
+            raise UserError(f"{flag} {path} {where}; pick another {flag}")
+        try:
+            if not os.access(parent, os.W_OK | os.X_OK):
+                raise PermissionError(13, "not writable")
+            if create:  # make it and write a probe: a read-only mount stops even root here
+                os.makedirs(path, exist_ok=True)
+                with tempfile.TemporaryFile(dir=path):
+                    pass
+        except OSError as e:
+            raise UserError(f"{flag} {path} cannot be written ({e.strerror}); pick a directory you can write to") from None
+    if args.min_lr_ratio > 1:
+        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
+                        f"use a value from 0 to 1")
+    if args.seed >= 2**32:
+        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    # A fresh run never replaces a saved one unless asked to.
+    found = [n for n in ("model.safetensors", "training_state.pt") if os.path.isfile(os.path.join(args.out_dir, n))]
+    if found and not (args.resume or args.overwrite or args.estimate_memory):
+        raise UserError(f"{args.out_dir} already holds a saved run ({', '.join(found)}); pass --resume to continue it, "
+                        f"--overwrite to replace it, or another --out-dir")
+
+
+# --resume continues the saved run: these flags would change what it is (model, data, the windows a step
+# reads), so given explicitly they must match, and unset they take the saved values. The others may change.
+RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
+                "batch_size", "grad_accum")
+RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                     "eval_interval", "eval_batches", "save_interval", "log_interval", "device", "dtype", "compile",
+                     "sample_tokens", "prompt", "temperature", "top_k")
+
+
+def check_resume_flags(saved, args, parser, argv, log):
+    options = parser._option_string_actions
+    given = {options[a.split("=", 1)[0]].dest for a in argv if a.split("=", 1)[0] in options}
+    for key in RESUME_FIXED:
+        flag = "--" + key.replace("_", "-")
+        if key in given and key in saved and getattr(args, key) != saved[key]:
+            raise UserError(f"--resume: {flag} {getattr(args, key)} contradicts the saved run ({flag} {saved[key]}); "
+                            f"drop {flag} to continue it, or start a new run with --overwrite or another --out-dir")
+        if key in saved:
+            setattr(args, key, saved[key])
+    for key in RESUME_CHANGEABLE:
+        if key in saved and getattr(args, key) != saved[key]:
+            log(f"--resume: {'--' + key.replace('_', '-')} changed from {saved[key]} to {getattr(args, key)}")
+
+
+def check_finite_weights(model, step, last_finite, out_dir):
+    """A checkpoint is only good if it is finite: weights holding NaN or inf are never saved."""
+    bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise UserError(f"weights are not finite at step {step} ({len(bad)} tensors, e.g. {bad[0]}); nothing was "
+                        f"saved, {last_finite_text(last_finite, out_dir)}; lower --lr or check the data")
+
+
+def last_finite_text(last_finite, out_dir):
+    if last_finite is None:
+        return "no finite checkpoint was saved in this run"
+    return f"the last finite checkpoint is step {last_finite} in {out_dir}"
+
+
+def check_memory(estimate_bytes, device, force):
+    """Stop before allocating when the predicted peak is clearly (25%) more than the device has free."""
+    if device.type == "cuda":
+        available, what = torch.cuda.mem_get_info(device)[0], "free CUDA memory"
+    elif device.type == "mps":
+        available, what = torch.mps.recommended_max_memory(), "MPS recommended maximum"
+    else:
+        try:  # Linux; elsewhere the physical RAM is the best figure the stdlib has
+            available = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
+            what = "available RAM"
+        except (OSError, StopIteration):
+            available, what = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "physical RAM"
+    if not force and estimate_bytes > 1.25 * available:
+        raise UserError(f"the memory estimate ({format_bytes(estimate_bytes)}) exceeds the {format_bytes(available)} "
+                        f"of {what} on {device}; lower --batch-size or --block-size, or pick a smaller model, or pass "
+                        f"--force to try anyway (--estimate-memory shows the breakdown)")
 
 
 # --- device, precision and processes ------------------------------------------------------------
 def pick_device(name=None):
-    """--device if given, else cuda, then mps, then cpu."""
+    """--device if given (cuda, cuda:N, mps or cpu, and present here), else cuda, then mps, then cpu."""
     available = {"cuda": torch.cuda.is_available(), "mps": torch.backends.mps.is_available(), "cpu": True}
     if not name:
         return torch.device(next(kind for kind, ok in available.items() if ok))
-    if not available.get(torch.device(name).type, True):
+    try:
+        device = torch.device(name)
+    except (RuntimeError, ValueError):
+        device = None
+    if device is None or device.type not in available:
+        raise UserError(f"--device {name!r} is not a device this script runs on; use cuda, cuda:N, mps or cpu")
+    if not available[device.type]:
         raise UserError(f"--device {name} was asked for but is not available here; use --device cpu")
-    return torch.device(name)
+    count = torch.cuda.device_count() if device.type == "cuda" else 1
+    if (device.index or 0) >= count:
+        raise UserError(f"--device {name}: this machine has {count} {device.type} device(s); use an index below {count}")
+    return device
 
 
 def amp_dtype(device, requested):
@@ -476,6 +605,8 @@ def format_bytes(n):
 
 
 def format_seconds(s):
+    if not math.isfinite(s):
+        return "?"
     s = int(s)
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
 
@@ -509,7 +640,13 @@ def evaluate(model, batches, n_batches, device, amp, rank, world):
     return total.item() / n_batches
 
 
-def run(args):
+def run(args, parser, argv):
+    check_args(args)
+    train_state = None
+    if args.resume:
+        train_state = load_training_state(args.out_dir)
+        check_resume_flags(json.loads(train_state.get("args", "{}")), args, parser, argv,
+                           print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None))
     rank, local_rank, world, device = setup_distributed(pick_device(args.device))
     log = print if rank == 0 else (lambda *a, **k: None)
     random.seed(args.seed)
@@ -518,31 +655,32 @@ def run(args):
     amp = amp_dtype(device, args.dtype)
     if amp is not None and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast use TF32
-    intervals = (args.eval_interval, args.save_interval, args.log_interval)
-    if min(args.batch_size, args.grad_accum, *intervals) < 1 or args.steps < 0:
-        raise UserError("--batch-size, --grad-accum and the --*-interval flags must be at least 1, --steps at least 0")
 
-    # The model's shape: from the run being resumed, a pretrained GPT-2, or --model-size + overrides.
-    state_dict, train_state = None, None
+    # The model's shape: from the run being resumed, a pretrained GPT-2, or --model-size + overrides. Only
+    # config.json is read here: the memory check below comes before any weight is read.
     if args.resume:
-        train_state = load_training_state(args.out_dir)
         if args.steps < train_state["step"]:
             raise UserError(f"--resume: {args.out_dir} is at step {train_state['step']}, past --steps {args.steps}; "
                             f"pass --steps {train_state['step']} or more")
-        cfg, state_dict = load_hf(args.out_dir)
-        with safe_open(os.path.join(args.out_dir, "model.safetensors"), framework="pt") as f:
-            saved_step = int((f.metadata() or {}).get("step", -1))  # written by save_checkpoint, beside the weights
-        if saved_step != train_state["step"]:
-            raise UserError(f"{args.out_dir}: weights are from step {saved_step} but the training state from "
-                            f"step {train_state['step']}; the save was interrupted, start again without --resume")
+        cfg = load_config(args.out_dir)
     elif args.init_from:
-        cfg, state_dict = load_hf(args.init_from)
+        cfg = load_config(args.init_from)
         cfg.dropout = args.dropout
+        options = parser._option_string_actions
+        given = {options[a.split("=", 1)[0]].dest for a in argv if a.split("=", 1)[0] in options}
+        want = (MODEL_SIZES[args.model_size] if "model_size" in given else {}) | \
+            {k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if k in given}
+        for key, value in want.items():  # shape flags may repeat the checkpoint's shape, not contradict it
+            if key != "block_size" and value != getattr(cfg, key):
+                flag = f"--model-size {args.model_size}" if key not in given else f"--{key.replace('_', '-')} {value}"
+                raise UserError(f"{flag} contradicts --init-from {args.init_from}, whose {key} is {getattr(cfg, key)}; "
+                                f"drop the shape flags (only --block-size may shorten the sequence)")
     else:
         flags = {key: getattr(args, key) for key in ("n_layer", "n_head", "n_embd", "block_size")}
         shape = MODEL_SIZES[args.model_size] | {key: v for key, v in flags.items() if v is not None}
         if shape["n_embd"] % shape["n_head"]:
-            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}")
+            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}; "
+                            f"pick a width that is a multiple of the head count")
         cfg = GPTConfig(**shape, dropout=args.dropout)
     block_size = args.block_size or cfg.block_size
     if block_size > cfg.block_size:
@@ -550,6 +688,8 @@ def run(args):
     if cfg.vocab_size < VOCAB_SIZE:
         raise UserError(f"vocabulary mismatch: the checkpoint has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer "
                         f"needs {VOCAB_SIZE}; use a GPT-2 checkpoint")
+    # Record the shape the run really has, so a later --resume compares against it.
+    args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, block_size
     with torch.device("meta"):  # shapes only: counts the parameters without allocating them
         n_params = sum(p.numel() for p in GPT(cfg).parameters())  # the tied wte / lm_head counts once
     tokens_per_step = args.batch_size * block_size * args.grad_accum * world
@@ -561,6 +701,9 @@ def run(args):
         log(format_memory_table(estimate))
         cleanup_distributed(world)
         return estimate
+    # On a CPU the ranks of one machine share its RAM.
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cpu" else 1
+    check_memory(sum(estimate.values()) * per_machine, device, args.force)
 
     # Data: one process per machine tokenises (once, cached); the others wait, then find the cache.
     if local_rank == 0:
@@ -575,6 +718,20 @@ def run(args):
 
     # Model, then optimiser.
     reset_peak_memory(device)  # count training, not tokenisation
+    state_dict = None
+    if args.resume:
+        _, state_dict = load_hf(args.out_dir)
+        with safe_open(os.path.join(args.out_dir, "model.safetensors"), framework="pt") as f:
+            saved_step = int((f.metadata() or {}).get("step", -1))  # written by save_checkpoint, beside the weights
+        if saved_step != train_state["step"]:
+            raise UserError(f"{args.out_dir}: weights are from step {saved_step} but the training state from "
+                            f"step {train_state['step']}; the save was interrupted, start again with --overwrite")
+        bad = [name for name, t in state_dict.items() if not bool(torch.isfinite(t).all())]
+        if bad:
+            raise UserError(f"{args.out_dir}/model.safetensors holds non-finite weights ({len(bad)} tensors, e.g. "
+                            f"{bad[0]}), so it cannot be continued; start again with --overwrite and a lower --lr")
+    elif args.init_from:
+        _, state_dict = load_hf(args.init_from)
     raw_model = GPT(cfg)
     if state_dict is not None:
         raw_model.load_state_dict(state_dict)
@@ -587,14 +744,18 @@ def run(args):
     optimizer = make_adamw(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2), device.type)
     # fp16 gradients underflow; the scaler multiplies the loss up and divides the gradients back.
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
-    start_step = 0
+    start_step, first_val = 0, None
     if train_state is not None:
         optimizer.load_state_dict(train_state["optimizer"])
         torch.set_rng_state(train_state["rng_cpu"])
         if train_state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(train_state["rng_cuda"])
-        start_step = train_state["step"]
+        start_step, first_val = train_state["step"], train_state.get("first_val_loss")
         log(f"resuming from step {start_step} in {args.out_dir}")
+
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    if rank == 0 and not args.resume and os.path.isfile(metrics_path):
+        os.remove(metrics_path)  # a fresh run starts a fresh log
 
     def log_metrics(**record):  # one JSON object per line, appended (a resumed run continues the file)
         if rank == 0:
@@ -609,10 +770,18 @@ def run(args):
         peak_flops = next((f for k, f in PEAK_FLOPS.items() if k in torch.cuda.get_device_name(device)), None)
     # MFU: about 6 FLOPs per parameter per token (2 forward, 4 backward) plus attention's 12 L C T.
     flops_per_step = (6 * n_params + 12 * cfg.n_layer * cfg.n_embd * block_size) * tokens_per_step
-    t_last, step_last = time.perf_counter(), start_step
+    if args.compile:
+        log("torch.compile: the first step compiles the model, which takes a minute or more (longer on a CPU)")
+    # The ETA counts from the end of the first step: that one pays for warm-up (and compilation).
+    t_last, step_last, t_steady = time.perf_counter(), start_step, None
     next_step = start_step  # the first step whose update is not in the weights yet: what a checkpoint records
-    last_saved = start_step if args.resume else None
-    val_loss = first_val = None
+    last_finite = start_step if args.resume else None  # only finite weights are ever saved
+    val_loss, skipped_in_a_row = None, 0
+    # Under torchrun Ctrl-C only sets a flag that the ranks agree on after each step, so that none of them
+    # leaves while the others wait in an all-reduce; one process stops at once (KeyboardInterrupt).
+    previous_handler, ctrl_c = signal.getsignal(signal.SIGINT), {"requested": False}
+    if world > 1:
+        signal.signal(signal.SIGINT, lambda *_: ctrl_c.update(requested=True))
     try:
         for step in range(start_step, args.steps):
             if step % args.eval_interval == 0:
@@ -637,24 +806,36 @@ def run(args):
                 loss_sum += loss.detach()
             loss_value = all_reduce_mean(loss_sum, world).item()
             if not math.isfinite(loss_value):
-                kept = "no checkpoint was saved yet" if last_saved is None else \
-                    f"the last good checkpoint (step {last_saved}) in {args.out_dir} is kept"
-                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, {kept}; "
-                                f"lower --lr or check the data")
+                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, "
+                                f"{last_finite_text(last_finite, args.out_dir)}; lower --lr or check the data")
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf")).item()
-            scaler.step(optimizer)
+            # A NaN or infinite gradient would turn every weight it touches into NaN: skip that update.
+            # (Under fp16 the GradScaler skips it by itself and lowers its scale: its way of finding one.)
+            skipped = not math.isfinite(grad_norm)
+            if scaler.is_enabled() or not skipped:
+                scaler.step(optimizer)
             next_step = step + 1
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
-
-            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            t_steady = t_steady or time.perf_counter()
+            skipped_in_a_row = skipped_in_a_row + 1 if skipped and not scaler.is_enabled() else 0
+            if skipped:
+                log(f"step {step}: gradient norm {grad_norm}, update skipped")
+            if skipped_in_a_row >= 10:
+                raise UserError(f"the gradient norm was not finite for 10 steps in a row (steps {step - 9} to {step}); "
+                                f"stopped, {last_finite_text(last_finite, args.out_dir)}; lower --lr or check the data")
+            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm) | ({"skipped": True} if skipped else {})
             if step % args.log_interval == 0 or step == args.steps - 1:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # timings are only honest once queued GPU work is done
                 now = time.perf_counter()
                 sec_per_step = max(now - t_last, 1e-9) / (step + 1 - step_last)  # since the last progress line
-                tok_s, eta = tokens_per_step / sec_per_step, sec_per_step * (args.steps - step - 1)
+                tok_s = tokens_per_step / sec_per_step
+                # ETA from the steady-state steps after the first; after the first alone there is none yet ("?").
+                steady = step - start_step
+                eta = (now - t_steady) / steady * (args.steps - step - 1) if steady else float("inf")
+                eta = 0.0 if step + 1 >= args.steps else eta
                 t_last, step_last = now, step + 1
                 mfu = flops_per_step / sec_per_step / peak_flops if peak_flops else None
                 mem = peak_memory_bytes(device)
@@ -664,18 +845,29 @@ def run(args):
                     f"ETA {format_seconds(eta)}")
             log_metrics(**record)
 
+            if world > 1:  # every rank learns whether any rank saw Ctrl-C, after the same finished step
+                flag = torch.tensor(float(ctrl_c["requested"]), device=device)
+                dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+                if flag.item():
+                    raise KeyboardInterrupt
             if next_step % args.save_interval == 0 and next_step < args.steps:
+                check_finite_weights(raw_model, next_step, last_finite, args.out_dir)
                 if rank == 0:
-                    save_checkpoint(args.out_dir, raw_model, optimizer, next_step, args)
-                last_saved = next_step
+                    save_checkpoint(args.out_dir, raw_model, optimizer, next_step, args, first_val)
+                last_finite = next_step
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second Ctrl-C: let the save finish
         # Save exactly the updates made so far: --resume then runs next_step, neither skipped nor repeated.
+        check_finite_weights(raw_model, next_step, last_finite, args.out_dir)
         if rank == 0:
-            save_checkpoint(args.out_dir, raw_model, optimizer, next_step, args)
+            save_checkpoint(args.out_dir, raw_model, optimizer, next_step, args, first_val)
             print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        cleanup_distributed(world, wait=False)
+        cleanup_distributed(world)
+        # Exit 130, the shell's code for Ctrl-C. torchrun got the SIGINT too and always ends with its own
+        # traceback, `...SignalException: Process <pid> got signal: 2`, and status 1 (see the README).
         sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
     step = next_step
 
     # Final validation loss and checkpoint, then the measured memory beside the estimate, then a sample.
@@ -683,8 +875,9 @@ def run(args):
         val_loss = evaluate(model, val_batches, args.eval_batches, device, amp, rank, world)
         log(f"step {step}: val loss {val_loss:.4f}" + (f" (started at {first_val:.4f})" if first_val else ""))
         log_metrics(step=step, val_loss=val_loss)
+    check_finite_weights(raw_model, step, last_finite, args.out_dir)
     if rank == 0:
-        save_checkpoint(args.out_dir, raw_model, optimizer, step, args)
+        save_checkpoint(args.out_dir, raw_model, optimizer, step, args, first_val)
         log(f"saved {args.out_dir}/config.json, model.safetensors (Hugging Face GPT-2 layout) and training_state.pt")
     peak = peak_memory_bytes(device)
     label = {"cuda": "max allocated", "mps": "driver allocated", "cpu": "peak RSS"}[device.type]
@@ -708,13 +901,16 @@ def atomic_write(path, write):
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         write(tmp)
+        umask = os.umask(0)  # safetensors creates its file 0600: give it the mode open() would, 0666 - umask
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
 
 
-def save_checkpoint(out_dir, model, optimizer, step, args):
+def save_checkpoint(out_dir, model, optimizer, step, args, first_val=None):
     """Weights in the HF layout, then the state --resume needs. step = the next step to run."""
     os.makedirs(out_dir, exist_ok=True)
     # lm_head is tied to wte, so it is left out; transformers re-ties it on load. The step in the metadata
@@ -734,14 +930,16 @@ def save_checkpoint(out_dir, model, optimizer, step, args):
     state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
              "data_position": step,  # batches are a function of (seed, step): the step is the position
-             "args": json.dumps(vars(args))}
+             "args": json.dumps(vars(args)), "first_val_loss": first_val}  # "started at" after a resume
     atomic_write(os.path.join(out_dir, "training_state.pt"), lambda tmp: torch.save(state, tmp))
 
 
-def load_hf(model_dir):
-    """A Hugging Face GPT-2 directory -> (GPTConfig, state dict in our names and layouts)."""
-    config_path, weights_path = os.path.join(model_dir, "config.json"), os.path.join(model_dir, "model.safetensors")
-    hint = "point --init-from at a local GPT-2 directory (`python train.py --init-from gpt2` downloads one)"
+def load_config(model_dir):
+    """config.json alone -> GPTConfig (--estimate-memory and the memory check read no weights)."""
+    config_path = os.path.join(model_dir, "config.json")
+    if not os.path.isdir(model_dir):
+        raise UserError(f"--init-from {model_dir!r}: the local path {os.path.abspath(model_dir)} does not exist or is "
+                        f"not a directory; pass a GPT-2 directory (`python train.py --init-from gpt2` downloads one)")
     try:
         hf = json.loads(pathlib.Path(config_path).read_text())
         cfg = GPTConfig(block_size=hf.get("n_positions", hf.get("n_ctx", 1024)), vocab_size=hf["vocab_size"],
@@ -752,7 +950,14 @@ def load_hf(model_dir):
         is_gpt2 = False
     if not is_gpt2:
         raise UserError(f"{config_path} is missing or not a GPT-2 config (model_type gpt2 with n_layer, n_head, "
-                        f"n_embd, vocab_size, 4x MLP and tanh GELU); {hint}")
+                        f"n_embd, vocab_size, 4x MLP and tanh GELU); point --init-from at a local GPT-2 directory")
+    return cfg
+
+
+def load_hf(model_dir):
+    """A Hugging Face GPT-2 directory -> (GPTConfig, state dict in our names and layouts)."""
+    cfg, weights_path = load_config(model_dir), os.path.join(model_dir, "model.safetensors")
+    hint = "point --init-from at a local GPT-2 directory (`python train.py --init-from gpt2` downloads one)"
     try:
         hf_state = load_file(weights_path)
     except (SafetensorError, OSError) as e:  # .bin weights must be converted to safetensors first
@@ -812,9 +1017,10 @@ def sample_text(model, args, device, amp):
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as e:
         print(f"error: {e}", file=sys.stderr, flush=True)
         sys.exit(2)

@@ -7,6 +7,13 @@
 This is the same training as onefile_train.py, which inlines everything imported here; with the
 same seed and flags both print the same loss at every step. Read this file top to bottom:
 arguments, device and distributed setup, model, data, optimiser, training loop, save, report.
+
+Nothing saved is lost: a fresh run refuses an --out-dir holding a saved run (--resume or --overwrite);
+--resume refuses flags that contradict the saved run; an update whose gradient norm is not finite is
+skipped; non-finite weights are never saved; a run whose memory estimate clearly exceeds the device's
+free memory stops before allocating (--force). Ctrl-C saves and exits 130; under torchrun, torchrun
+itself then ends with its own traceback (last line `...SignalException: Process <pid> got signal: 2`,
+status 1), which no worker can prevent (README, "Ctrl-C under torchrun").
 """
 
 import argparse
@@ -20,13 +27,13 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lib import checkpoint, data, distributed, gpt, hub, memory, metrics, optim, tokenizer
+from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, tokenizer
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
 
 # --- arguments ----------------------------------------------------------------------------------
-def parse_args(argv=None):
+def make_parser():
     p = argparse.ArgumentParser(
         description="Pretrain GPT-2 from scratch with lib/ (see onefile_train.py for the one-file version).",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
@@ -34,55 +41,94 @@ def parse_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
                    "directory, or 'stdlib' (the running Python's standard library, tests left out)")
-    g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards and hub downloads are kept")
+    g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards and hub downloads are "
+                   "kept ($BYHAND_CACHE, else ~/.cache/byhand)")
     g = p.add_argument_group("model")
     g.add_argument("--model-size", default="tiny", choices=list(gpt.MODEL_SIZES), help="a GPT-2 shape")
-    g.add_argument("--n-layer", type=int, help="override the shape's layer count")
-    g.add_argument("--n-head", type=int, help="override the shape's head count")
-    g.add_argument("--n-embd", type=int, help="override the shape's width")
-    g.add_argument("--block-size", type=int, help="sequence length (default: the shape's, or the checkpoint's)")
-    g.add_argument("--dropout", type=float, default=0.0)
+    g.add_argument("--n-layer", type=guards.positive_int, help="override the shape's layer count")
+    g.add_argument("--n-head", type=guards.positive_int, help="override the shape's head count")
+    g.add_argument("--n-embd", type=guards.positive_int, help="override the shape's width")
+    g.add_argument("--block-size", type=guards.positive_int,
+                   help="sequence length; if unset, the shape's, or the checkpoint's with --init-from")
+    g.add_argument("--dropout", type=guards.probability, default=0.0, help="dropout probability (GPT-2 used 0.1)")
     g.add_argument("--init-from", help="start from a Hugging Face GPT-2: a local directory, or a hub id "
                    "(gpt2, gpt2-medium, gpt2-large, gpt2-xl, org/name), which is downloaded")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per process")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate as a fraction of --lr")
-    g.add_argument("--warmup-steps", type=int, default=30)
-    g.add_argument("--weight-decay", type=float, default=0.1)
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.95)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--steps", type=guards.nonneg_int, default=300, help="optimizer steps in total")
+    g.add_argument("--batch-size", type=guards.positive_int, default=8, help="sequences per micro-batch per process")
+    g.add_argument("--grad-accum", type=guards.positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=guards.positive_float, default=2e-3, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=guards.nonneg_float, default=0.1,
+                   help="final learning rate as a fraction of --lr (0 to 1)")
+    g.add_argument("--warmup-steps", type=guards.nonneg_int, default=30, help="steps of linear learning-rate warmup")
+    g.add_argument("--weight-decay", type=guards.nonneg_float, default=0.1,
+                   help="AdamW weight decay (matrices and embeddings only)")
+    g.add_argument("--beta1", type=guards.probability, default=0.9, help="AdamW beta1 (0 to below 1)")
+    g.add_argument("--beta2", type=guards.probability, default=0.95, help="AdamW beta2 (0 to below 1)")
+    g.add_argument("--grad-clip", type=guards.nonneg_float, default=1.0, help="clip the global gradient norm (0: off)")
     g = p.add_argument_group("run")
-    g.add_argument("--device", help="cuda, mps or cpu (default: the first available, in that order)")
+    g.add_argument("--device", help="cuda, cuda:N, mps or cpu; if unset, the first available of cuda, mps, cpu")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
-    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--seed", type=guards.nonneg_int, default=1337, help="seeds the weights, the data order and dropout")
     g.add_argument("--out-dir", default="out/train", help="checkpoint (HF layout), training state and metrics.jsonl")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --out-dir")
-    g.add_argument("--eval-interval", type=int, default=100, help="steps between validation losses")
-    g.add_argument("--eval-batches", type=int, default=10, help="batches per validation loss")
-    g.add_argument("--save-interval", type=int, default=100, help="steps between checkpoints (and one at the end)")
-    g.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
-    g.add_argument("--peak-flops", type=float, help="peak FLOP/s of the device, for MFU where it is not in the table")
+    guards.add_safety_flags(g)
+    g.add_argument("--eval-interval", type=guards.positive_int, default=100, help="steps between validation losses")
+    g.add_argument("--eval-batches", type=guards.positive_int, default=10, help="batches per validation loss")
+    g.add_argument("--save-interval", type=guards.positive_int, default=100,
+                   help="steps between checkpoints (and one at the end)")
+    g.add_argument("--log-interval", type=guards.positive_int, default=10, help="steps between progress lines")
+    g.add_argument("--peak-flops", type=guards.positive_float,
+                   help="peak FLOP/s of the device, for MFU where it is not in the table")
     g.add_argument("--estimate-memory", action="store_true", help="print the predicted memory breakdown and exit")
     g = p.add_argument_group("sample")
-    g.add_argument("--sample-tokens", type=int, default=200, help="tokens to generate at the end (0: none)")
-    g.add_argument("--prompt", default="", help="sample prompt (default: start a new file after <|endoftext|>)")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=200)
-    return p.parse_args(argv)
+    g.add_argument("--sample-tokens", type=guards.nonneg_int, default=200, help="tokens to generate at the end (0: none)")
+    g.add_argument("--prompt", default="", help="sample prompt; if empty, start a new file after <|endoftext|>")
+    g.add_argument("--temperature", type=guards.nonneg_float, default=0.8,
+                   help="sampling temperature (0: always the most likely token)")
+    g.add_argument("--top-k", type=guards.positive_int, default=200, help="sample from the k most likely tokens only")
+    return p
+
+
+# --resume continues the saved run. These flags would change what that run is (the model, the data, the
+# windows a step reads, so that resuming would no longer be exact): given explicitly they must match it,
+# and when not given the saved values are used. The others may change and are reported when they do.
+RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
+                "batch_size", "grad_accum")
+RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                     "eval_interval", "eval_batches", "save_interval", "log_interval", "device", "dtype", "compile",
+                     "sample_tokens", "prompt", "temperature", "top_k")
+MAX_SKIPPED = 10  # consecutive updates skipped for a non-finite gradient before the run stops
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as e:
         report_and_exit(e)
+
+
+def check_args(args):
+    """Everything about the flags and paths that can be checked before any work starts."""
+    guards.check_output_dir(args.out_dir)
+    guards.check_cache_dir(args.cache_dir)
+    if not args.estimate_memory:  # a run writes both; find out now whether it can
+        guards.make_output_dir(args.out_dir)
+        if args.init_from or not data.is_prepared(args.data):
+            guards.make_output_dir(args.cache_dir, "--cache-dir")
+    if args.min_lr_ratio > 1:
+        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
+                        f"use a value from 0 to 1")
+    if args.seed >= 2**32:
+        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    if not args.estimate_memory:
+        guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
 
 
 @torch.no_grad()
@@ -99,7 +145,7 @@ def evaluate(model, batches, n_batches, device, amp, dist_info):
     return distributed.all_reduce_sum(total, dist_info).item() / n_batches
 
 
-def save(out_dir, raw_model, optimizer, step, args):
+def save(out_dir, raw_model, optimizer, step, args, first_val):
     """Weights in the HF layout, then the state --resume needs. step = the next step to run."""
     checkpoint.save_hf(out_dir, raw_model.config, gpt.to_hf_state_dict(raw_model), step=step)
     state = {
@@ -109,11 +155,25 @@ def save(out_dir, raw_model, optimizer, step, args):
         "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
         "data_position": step,  # batches are a function of (seed, step): the step is the position
         "args": json.dumps(vars(args)),
+        "first_val_loss": first_val,  # so a resumed run reports where the whole run started
     }
     checkpoint.save_training_state(out_dir, state)
 
 
-def run(args):
+def run(args, parser, argv):
+    # --- checks before any work -------------------------------------------------------------------
+    check_args(args)
+    train_state = None
+    if args.resume:
+        train_state = checkpoint.load_training_state(args.out_dir)
+        saved_args = json.loads(train_state.get("args", "{}"))
+        main_rank = int(os.environ.get("RANK", 0)) == 0  # torchrun's ranks all check; one of them reports
+        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
+                                  log=print if main_rank else (lambda *a: None), argv=argv)
+        for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
+            if key in saved_args:
+                setattr(args, key, saved_args[key])
+
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)
     dist_info = distributed.setup(device.type)
@@ -123,29 +183,23 @@ def run(args):
     amp = devices.amp_dtype(device, args.dtype)
     if amp is not None and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast use TF32
-    if min(args.batch_size, args.grad_accum, args.eval_interval, args.save_interval, args.log_interval) < 1 or args.steps < 0:
-        raise UserError("--batch-size, --grad-accum and the --*-interval flags must be at least 1, --steps at least 0")
 
     # --- model configuration --------------------------------------------------------------------
-    state_dict, train_state = None, None
+    # Only config.json is read here: the memory check below comes before any weight is read or downloaded.
     if args.resume:
-        train_state = checkpoint.load_training_state(args.out_dir)
-        cfg, state_dict = checkpoint.load_hf(args.out_dir)
-        saved_step = checkpoint.weights_step(os.path.join(args.out_dir, checkpoint.WEIGHTS))
-        if saved_step != train_state["step"]:
-            raise UserError(f"{args.out_dir}: weights are from step {saved_step} but the training state from "
-                            f"step {train_state['step']}; the save was interrupted, start again without --resume")
+        cfg = checkpoint.load_config(args.out_dir)
     elif args.init_from:
-        model_dir = hub.resolve_pretrained(args.init_from, args.cache_dir, log=log)
-        cfg, state_dict = checkpoint.load_hf(model_dir)
+        cfg = checkpoint.load_config(hub.resolve_pretrained(args.init_from, args.cache_dir, ("config.json",), log=log))
         cfg.dropout = args.dropout
+        checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
     else:
         shape = dict(gpt.MODEL_SIZES[args.model_size])
         for key in ("n_layer", "n_head", "n_embd", "block_size"):
             if getattr(args, key) is not None:
                 shape[key] = getattr(args, key)
         if shape["n_embd"] % shape["n_head"]:
-            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}")
+            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}; "
+                            f"pick a width that is a multiple of the head count")
         cfg = gpt.GPTConfig(**shape, dropout=args.dropout)
     block_size = args.block_size or cfg.block_size
     if block_size > cfg.block_size:
@@ -153,6 +207,8 @@ def run(args):
     if cfg.vocab_size < tokenizer.VOCAB_SIZE:
         raise UserError(f"vocabulary mismatch: the checkpoint has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer "
                         f"needs {tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
+    # Record the shape the run really has, so a later --resume compares against it.
+    args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, block_size
     with torch.device("meta"):
         n_params = gpt.GPT(cfg).num_params()
     tokens_per_step = args.batch_size * block_size * args.grad_accum * dist_info.world_size
@@ -166,6 +222,10 @@ def run(args):
         log(memory.format_table(estimate))
         distributed.cleanup(dist_info)
         return estimate
+    # On a CPU the ranks of one machine share its RAM.
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cpu" else 1
+    guards.check_memory(sum(estimate.values()) * per_machine, device, args.force,
+                        "lower --batch-size or --block-size, or pick a smaller model")
 
     # --- data -------------------------------------------------------------------------------------
     # One process per machine tokenises (once, cached); the others wait and then find the cache.
@@ -181,6 +241,19 @@ def run(args):
 
     # --- model ------------------------------------------------------------------------------------
     devices.reset_peak_memory(device)  # count training, not tokenisation
+    state_dict = None
+    if args.resume:
+        _, state_dict = checkpoint.load_hf(args.out_dir)
+        saved_step = checkpoint.weights_step(os.path.join(args.out_dir, checkpoint.WEIGHTS))
+        if saved_step != train_state["step"]:
+            raise UserError(f"{args.out_dir}: weights are from step {saved_step} but the training state from "
+                            f"step {train_state['step']}; the save was interrupted, start again with --overwrite")
+        bad = guards.nonfinite(state_dict)
+        if bad:
+            raise UserError(f"{args.out_dir}/{checkpoint.WEIGHTS} holds non-finite weights ({len(bad)} tensors, e.g. "
+                            f"{bad[0]}), so it cannot be continued; start again with --overwrite and a lower --lr")
+    elif args.init_from:
+        _, state_dict = checkpoint.load_hf(hub.resolve_pretrained(args.init_from, args.cache_dir, log=log))
     raw_model = gpt.GPT(cfg)
     if state_dict is not None:
         raw_model.load_state_dict(state_dict)
@@ -195,29 +268,37 @@ def run(args):
     optimizer = optim.make_adamw(raw_model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2), device.type)
     # fp16 gradients underflow; the scaler multiplies the loss up and divides the gradients back.
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
-    start_step = 0
+    start_step, first_val = 0, None
     if train_state is not None:
         optimizer.load_state_dict(train_state["optimizer"])
         torch.set_rng_state(train_state["rng_cpu"])
         if train_state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(train_state["rng_cuda"])
-        start_step = train_state["step"]
+        start_step, first_val = train_state["step"], train_state.get("first_val_loss")
         if args.steps < start_step:
             raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --steps {start_step} or more")
         log(f"resuming from step {start_step} in {args.out_dir}")
 
     # --- training loop ----------------------------------------------------------------------------
-    metrics_log = metrics.MetricsLog(os.path.join(args.out_dir, "metrics.jsonl"), enabled=dist_info.is_main)
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    if dist_info.is_main:
+        guards.start_metrics(metrics_path, args.resume)  # a fresh run starts a fresh log
+    metrics_log = metrics.MetricsLog(metrics_path, enabled=dist_info.is_main)
     metrics_log.log(event="start", seed=args.seed, step=start_step, world_size=dist_info.world_size,
                     device=str(device), n_params=n_params, config=vars(cfg), args=vars(args))
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
     flops_per_step = metrics.flops_per_token(n_params, cfg.n_layer, cfg.n_embd, block_size) * tokens_per_step
     speed = metrics.Throughput(args.steps, start_step)
+    if args.compile:
+        log("torch.compile: the first step compiles the model, which takes a minute or more (longer on a CPU)")
     # next_step is what a checkpoint records: it moves only once optimizer.step() has run, so an
     # interrupt anywhere in a step saves a state that --resume continues without repeating work.
     next_step = start_step
-    last_saved = start_step if args.resume else None
-    val_loss = first_val = None
+    # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
+    last_finite = start_step if args.resume else None
+    val_loss, skipped_in_a_row = None, 0
+    previous_handler = signal.getsignal(signal.SIGINT)
+    ctrl_c = distributed.catch_ctrl_c(dist_info)
     try:
         for step in range(start_step, args.steps):
             if step % args.eval_interval == 0:
@@ -242,19 +323,30 @@ def run(args):
                 loss_sum += loss.detach()
             loss_value = distributed.all_reduce_mean(loss_sum, dist_info).item()
             if not math.isfinite(loss_value):
-                kept = f"the last good checkpoint (step {last_saved}) in {args.out_dir} is kept" if last_saved is not None \
-                    else "no checkpoint was saved yet"
-                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, {kept}; "
-                                f"lower --lr or check the data")
+                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, "
+                                f"{guards.last_finite_text(last_finite, args.out_dir)}; lower --lr or check the data")
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf")).item()
-            scaler.step(optimizer)
+            # A NaN or infinite gradient would turn every weight it touches into NaN: skip that update.
+            # (Under fp16 the GradScaler skips it by itself and lowers its scale: its way of finding one.)
+            skipped = not math.isfinite(grad_norm)
+            if scaler.is_enabled() or not skipped:
+                scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
             next_step = step + 1
             speed.add(tokens_per_step)
+            skipped_in_a_row = skipped_in_a_row + 1 if skipped and not scaler.is_enabled() else 0
+            if skipped:
+                log(f"step {step}: gradient norm {grad_norm}, update skipped")
+            if skipped_in_a_row >= MAX_SKIPPED:
+                raise UserError(f"the gradient norm was not finite for {MAX_SKIPPED} steps in a row (steps "
+                                f"{step - MAX_SKIPPED + 1} to {step}); stopped, "
+                                f"{guards.last_finite_text(last_finite, args.out_dir)}; lower --lr or check the data")
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            if skipped:
+                record["skipped"] = True
             if step % args.log_interval == 0 or step == args.steps - 1:
                 devices.synchronize(device)
                 tok_s, sec_per_step, eta = speed.report(step + 1)
@@ -264,18 +356,24 @@ def run(args):
                 log(metrics.progress_line(step, args.steps, loss_value, lr, tok_s, mfu, mem, eta))
             metrics_log.log(**record)
 
+            if distributed.stop_requested(ctrl_c, dist_info, device):
+                raise KeyboardInterrupt  # on every rank, after the same finished step
             if next_step % args.save_interval == 0 and next_step < args.steps:
+                guards.check_finite_weights(raw_model.named_parameters(), next_step, last_finite, args.out_dir)
                 if dist_info.is_main:
-                    save(args.out_dir, raw_model, optimizer, next_step, args)
-                last_saved = next_step
+                    save(args.out_dir, raw_model, optimizer, next_step, args, first_val)
+                last_finite = next_step
     except KeyboardInterrupt:
-        # torchrun forwards a second Ctrl-C to its workers; ignore it so it cannot cut the save short.
+        # A second Ctrl-C (torchrun forwards one to its workers) must not cut the save short.
         signal.signal(signal.SIGINT, signal.SIG_IGN)
+        guards.check_finite_weights(raw_model.named_parameters(), next_step, last_finite, args.out_dir)
         if dist_info.is_main:
-            save(args.out_dir, raw_model, optimizer, next_step, args)
+            save(args.out_dir, raw_model, optimizer, next_step, args, first_val)
             print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        distributed.cleanup(dist_info, wait=False)  # a rank that was not interrupted must not hang us
-        sys.exit(130)
+        distributed.cleanup(dist_info)
+        distributed.exit_interrupted()
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
     step = next_step
 
     # --- save -------------------------------------------------------------------------------------
@@ -283,8 +381,9 @@ def run(args):
         val_loss = evaluate(model, val_batches, args.eval_batches, device, amp, dist_info)
         log(f"step {step}: val loss {val_loss:.4f}" + (f" (started at {first_val:.4f})" if first_val else ""))
         metrics_log.log(step=step, val_loss=val_loss)
+    guards.check_finite_weights(raw_model.named_parameters(), step, last_finite, args.out_dir)
     if dist_info.is_main:
-        save(args.out_dir, raw_model, optimizer, step, args)
+        save(args.out_dir, raw_model, optimizer, step, args, first_val)
         log(f"saved {args.out_dir}/{checkpoint.CONFIG}, {checkpoint.WEIGHTS} (Hugging Face GPT-2 layout) and {checkpoint.STATE}")
 
     # --- report -----------------------------------------------------------------------------------

@@ -13,6 +13,12 @@ all-gathers them before its forward and backward and frees them after (reshards)
 the gradients so each rank keeps the slice of the mean gradient that its optimizer slice updates.
 docs/fsdp2_explained.md walks through the idea, the arithmetic and the measured numbers.
 
+--init-from loads a Hugging Face GPT-2 (a directory or a hub id) into the sharded model one tensor at a
+time, so each rank keeps only its shards. The guards are train.py's (no silent overwrite, --resume flag
+checks, skipped non-finite updates, finite checkpoints only, the memory pre-check). Ctrl-C: the ranks
+agree to stop after the step, save and exit 130; torchrun itself then ends with its own traceback (last
+line `...SignalException: Process <pid> got signal: 2`, status 1), which no worker can prevent.
+
 Reading order: arguments, device and distributed setup, model configuration, data, model, optimiser,
 training loop, save, report. The helpers above run() are the FSDP-specific steps they call.
 """
@@ -36,9 +42,10 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, distribute_tensor
+from safetensors import SafetensorError, safe_open
 from torch.utils.checkpoint import checkpoint as recompute
 
-from lib import checkpoint, data, distributed, gpt, memory, metrics, optim
+from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, tokenizer
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -48,7 +55,7 @@ TIED = "lm_head.weight"  # is transformer.wte.weight
 
 
 # --- arguments ----------------------------------------------------------------------------------
-def parse_args(argv=None):
+def make_parser():
     p = argparse.ArgumentParser(
         description="Pretrain GPT-2 with FSDP2 (fully_shard): parameters, gradients and AdamW state sharded "
                     "across the ranks torchrun starts. Plain `python train_fsdp.py` runs one rank.",
@@ -57,59 +64,113 @@ def parse_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
                    "directory, or 'stdlib' (the running Python's standard library, tests left out)")
-    g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards are kept")
+    g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards and hub downloads are "
+                   "kept ($BYHAND_CACHE, else ~/.cache/byhand)")
     g = p.add_argument_group("model")
     g.add_argument("--model-size", default="tiny", choices=list(gpt.MODEL_SIZES), help="a GPT-2 shape")
-    g.add_argument("--n-layer", type=int, help="override the shape's layer count")
-    g.add_argument("--n-head", type=int, help="override the shape's head count")
-    g.add_argument("--n-embd", type=int, help="override the shape's width")
-    g.add_argument("--block-size", type=int, help="sequence length (default: the shape's)")
-    g.add_argument("--dropout", type=float, default=0.0, help="dropout probability (GPT-2 pretraining used 0.1)")
+    g.add_argument("--n-layer", type=guards.positive_int, help="override the shape's layer count")
+    g.add_argument("--n-head", type=guards.positive_int, help="override the shape's head count")
+    g.add_argument("--n-embd", type=guards.positive_int, help="override the shape's width")
+    g.add_argument("--block-size", type=guards.positive_int,
+                   help="sequence length; if unset, the shape's, or the checkpoint's with --init-from")
+    g.add_argument("--dropout", type=guards.probability, default=0.0, help="dropout probability (GPT-2 used 0.1)")
+    g.add_argument("--init-from", help="start from a Hugging Face GPT-2: a local directory, or a hub id (gpt2, "
+                   "gpt2-medium, gpt2-large, gpt2-xl, org/name), which is downloaded; each rank keeps only its shards")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=300, help="optimizer steps in total")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch per rank")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=2e-3, help="peak learning rate")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate as a fraction of --lr")
-    g.add_argument("--warmup-steps", type=int, default=30, help="steps of linear learning-rate warmup")
-    g.add_argument("--weight-decay", type=float, default=0.1, help="AdamW weight decay (matrices and embeddings only)")
-    g.add_argument("--beta1", type=float, default=0.9, help="AdamW beta1")
-    g.add_argument("--beta2", type=float, default=0.95, help="AdamW beta2")
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--steps", type=guards.nonneg_int, default=300, help="optimizer steps in total")
+    g.add_argument("--batch-size", type=guards.positive_int, default=8, help="sequences per micro-batch per rank")
+    g.add_argument("--grad-accum", type=guards.positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=guards.positive_float, default=2e-3, help="peak learning rate")
+    g.add_argument("--min-lr-ratio", type=guards.nonneg_float, default=0.1,
+                   help="final learning rate as a fraction of --lr (0 to 1)")
+    g.add_argument("--warmup-steps", type=guards.nonneg_int, default=30, help="steps of linear learning-rate warmup")
+    g.add_argument("--weight-decay", type=guards.nonneg_float, default=0.1,
+                   help="AdamW weight decay (matrices and embeddings only)")
+    g.add_argument("--beta1", type=guards.probability, default=0.9, help="AdamW beta1 (0 to below 1)")
+    g.add_argument("--beta2", type=guards.probability, default=0.95, help="AdamW beta2 (0 to below 1)")
+    g.add_argument("--grad-clip", type=guards.nonneg_float, default=1.0, help="clip the global gradient norm (0: off)")
     g = p.add_argument_group("FSDP2")
     g.add_argument("--reshard-after-forward", action=argparse.BooleanOptionalAction, default=True,
                    help="free each block's gathered weights after its forward and gather them again for backward "
                    "(ZeRO-3); --no-reshard-after-forward keeps them until backward (ZeRO-2: more memory, less traffic)")
-    g.add_argument("--mixed-precision", default="auto", choices=["auto", "bf16", "off"],
-                   help="bf16: compute with bf16 copies of the weights and reduce gradients in fp32 "
-                   "(MixedPrecisionPolicy); auto = bf16 on CUDA GPUs that have it, off elsewhere")
     g.add_argument("--cpu-offload", action="store_true",
                    help="keep the parameter, gradient and optimizer shards in host RAM (CPUOffloadPolicy); CUDA only")
     g.add_argument("--activation-checkpointing", action="store_true",
                    help="keep only each block's input in forward and recompute the rest during backward")
     g = p.add_argument_group("run")
-    g.add_argument("--device", help="cuda, mps or cpu (default: the first available, in that order)")
-    g.add_argument("--seed", type=int, default=1337, help="the same on every rank: weights, data order")
+    g.add_argument("--device", help="cuda, cuda:N, mps or cpu; if unset, the first available of cuda, mps, cpu")
+    # --mixed-precision (auto, bf16, off) is this flag's older name.
+    g.add_argument("--dtype", "--mixed-precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
+                   type=lambda v: {"off": "fp32"}.get(v, v),
+                   help="compute dtype: bf16 computes with bf16 copies of the weights and reduces gradients in fp32 "
+                   "(MixedPrecisionPolicy); auto = bf16 on CUDA GPUs that have it, fp32 elsewhere; fp16 is refused "
+                   "(it would need a sharded GradScaler)")
+    g.add_argument("--seed", type=guards.nonneg_int, default=1337, help="the same on every rank: weights, data order")
     g.add_argument("--out-dir", default="out/train_fsdp", help="sharded checkpoints, metrics.jsonl and the exported model")
     g.add_argument("--resume", action="store_true", help="continue from the newest sharded checkpoint in --out-dir")
+    guards.add_safety_flags(g)
     g.add_argument("--export", action=argparse.BooleanOptionalAction, default=True,
                    help="at the end, gather the full weights on rank 0 and write config.json + model.safetensors "
                    "(the Hugging Face GPT-2 layout train.py writes)")
-    g.add_argument("--eval-interval", type=int, default=100, help="steps between validation losses")
-    g.add_argument("--eval-batches", type=int, default=10, help="batches per validation loss")
-    g.add_argument("--save-interval", type=int, default=100, help="steps between sharded checkpoints (and one at the end)")
-    g.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
-    g.add_argument("--peak-flops", type=float, help="peak FLOP/s of one device, for MFU where it is not in the table")
+    g.add_argument("--eval-interval", type=guards.positive_int, default=100, help="steps between validation losses")
+    g.add_argument("--eval-batches", type=guards.positive_int, default=10, help="batches per validation loss")
+    g.add_argument("--save-interval", type=guards.positive_int, default=100,
+                   help="steps between sharded checkpoints (and one at the end)")
+    g.add_argument("--log-interval", type=guards.positive_int, default=10, help="steps between progress lines")
+    g.add_argument("--peak-flops", type=guards.positive_float,
+                   help="peak FLOP/s of one device, for MFU where it is not in the table")
     g.add_argument("--estimate-memory", action="store_true",
                    help="print the predicted memory per rank for the ranks torchrun started, and exit (the model "
                    "is built on the meta device only)")
-    return p.parse_args(argv)
+    g = p.add_argument_group("sample")
+    g.add_argument("--sample-tokens", type=guards.nonneg_int, default=200,
+                   help="tokens to generate at the end (0: none); every rank runs the sharded forwards, rank 0 prints")
+    g.add_argument("--prompt", default="", help="sample prompt; if empty, start a new file after <|endoftext|>")
+    g.add_argument("--temperature", type=guards.nonneg_float, default=0.8,
+                   help="sampling temperature (0: always the most likely token)")
+    g.add_argument("--top-k", type=guards.positive_int, default=200, help="sample from the k most likely tokens only")
+    return p
+
+
+# --resume continues the saved run: these flags would change what it is (model, data, the windows a step
+# reads), so given explicitly they must match it, and unset they take the saved values. The rest may change.
+RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
+                "batch_size", "grad_accum")
+RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                     "eval_interval", "eval_batches", "save_interval", "log_interval", "device", "dtype",
+                     "reshard_after_forward", "cpu_offload", "activation_checkpointing", "export",
+                     "sample_tokens", "prompt", "temperature", "top_k")
+MAX_SKIPPED = 10  # consecutive updates skipped for a non-finite gradient before the run stops
+
+
+def check_args(args):
+    """Everything about the flags and paths that can be checked before any work starts."""
+    guards.check_output_dir(args.out_dir)
+    guards.check_cache_dir(args.cache_dir)
+    if not args.estimate_memory:  # a run writes both; find out now whether it can
+        guards.make_output_dir(args.out_dir)
+        if args.init_from or not data.is_prepared(args.data):
+            guards.make_output_dir(args.cache_dir, "--cache-dir")
+    if args.min_lr_ratio > 1:
+        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
+                        f"use a value from 0 to 1")
+    if args.seed >= 2**32:
+        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
+    if args.dtype == "fp16":
+        raise UserError("--dtype fp16 would need a sharded GradScaler (fp16 gradients underflow), which this script "
+                        "leaves out; use --dtype bf16 on a GPU that has it, or fp32")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    if not args.estimate_memory:
+        guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite,
+                                names=(*guards.CHECKPOINT_FILES, os.path.join(SHARDED, LATEST)))
 
 
 def main(argv=None):
-    args = parse_args(argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
     try:
-        return run(args)
+        return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as e:
         report_and_exit(e)
     finally:
@@ -192,6 +253,61 @@ def cpu_twin(m, on):
         return nn.LayerNorm(m.normalized_shape, eps=m.eps, bias=m.bias is not None)
 
 
+@torch.no_grad()
+def load_pretrained_shards(model, cfg, model_dir):
+    """--init-from: copy a Hugging Face GPT-2 into the sharded model, one tensor at a time.
+
+    safetensors memory-maps the file, so get_tensor reads one full tensor; each rank cuts out its own
+    slice (distribute_tensor with src_data_rank=None: every rank read the same bytes, nothing is sent)
+    and drops the rest. Each rank ends up holding only its shards, and never more than one full tensor.
+    """
+    path = os.path.join(model_dir, checkpoint.WEIGHTS)
+    if not os.path.isfile(path):
+        raise UserError(f"{path} is missing; point --init-from at a directory holding a GPT-2 config.json and "
+                        f"model.safetensors")
+    try:
+        with safe_open(path, framework="pt") as f:
+            # Our names for the file's tensors (GPT2Model files lack the "transformer." prefix; old ones carry masks).
+            names = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): k for k in f.keys()
+                     if not k.endswith((".attn.bias", ".attn.masked_bias"))}
+            names.setdefault(TIED, names.get("transformer.wte.weight", TIED))  # tied: HF files leave lm_head out
+            shapes = {}
+            for ours, theirs in names.items():
+                shape = tuple(f.get_slice(theirs).get_shape()) if theirs in f.keys() else (0,)
+                shapes[ours] = torch.empty(shape[::-1] if ours.endswith(gpt.CONV1D_NAMES) else shape, device="meta")
+            checkpoint.check_state_dict(shapes, cfg, path)  # names and shapes first: a wrong file fails at once
+            for name, p in model.named_parameters():  # the tied weight is listed once, as transformer.wte.weight
+                full = f.get_tensor(names[name])
+                full = (full.t() if name.endswith(gpt.CONV1D_NAMES) else full).to(p.device_mesh.device_type, torch.float32)
+                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
+                del full
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path} cannot be read as safetensors ({e}); download or save it again") from None
+
+
+def check_finite_shards(model, step, last_finite, out_dir):
+    """guards.check_finite_weights over the shards: every rank checks its own slices, and all of them
+    learn the verdict, so they stop together instead of leaving one rank alone in the save's collectives."""
+    bad = guards.nonfinite((n, local(p)) for n, p in model.named_parameters())
+    count = torch.tensor(float(len(bad)), device=local(next(model.parameters())).device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    if count.item():
+        raise UserError(f"weights are not finite at step {step} (e.g. {bad[0] if bad else 'on another rank'}); "
+                        f"nothing was saved, {guards.last_finite_text(last_finite, out_dir)}; lower --lr or check the data")
+
+
+@torch.no_grad()
+def sample(model, args, device):
+    """Every rank runs the same forwards (each all-gathers the weights), drawing from the same seeded
+    generator, so the ranks stay in step; rank 0's text is the one printed."""
+    model.eval()
+    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    out = model.generate(torch.tensor([prompt], device=device), args.sample_tokens, args.temperature, args.top_k,
+                         generator=g)
+    return tokenizer.decode(t for t in out[0].tolist() if t != tokenizer.EOT)
+
+
 def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -252,7 +368,7 @@ def read_latest(out_dir):
         return json.load(f)
 
 
-def save_sharded(out_dir, model, optimizer, step, cfg, args):
+def save_sharded(out_dir, model, optimizer, step, cfg, args, first_val=None):
     """Every rank writes its own shard of the weights and AdamW state (torch.distributed.checkpoint);
     then rank 0 points latest.json at the new directory and removes the older ones.
 
@@ -273,7 +389,8 @@ def save_sharded(out_dir, model, optimizer, step, cfg, args):
     if dist.get_rank() == 0:
         checkpoint.save_json(os.path.join(root, LATEST), {"step": step, "checkpoint": name,
                                                           "world_size": dist.get_world_size(),
-                                                          "config": vars(cfg), "args": vars(args)})
+                                                          "config": vars(cfg), "args": vars(args),
+                                                          "first_val_loss": first_val})
         for old in os.listdir(root):
             if old.startswith("step-") and old != name:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
@@ -306,7 +423,18 @@ def export_hf(out_dir, model, cfg, step):
     dist.barrier()
 
 
-def run(args):
+def run(args, parser, argv):
+    # --- checks before any work -------------------------------------------------------------------
+    check_args(args)
+    latest = read_latest(args.out_dir) if args.resume else None
+    if latest is not None:
+        saved_args = latest.get("args", {})
+        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
+                                  log=print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None), argv=argv)
+        for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
+            if key in saved_args:
+                setattr(args, key, saved_args[key])
+
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)
     dist_info = join_process_group(device)
@@ -315,20 +443,22 @@ def run(args):
     log = print if is_main else (lambda *a, **k: None)
     devices.seed_everything(args.seed)  # the same seed on every rank; init_like_train_py relies on it
     mesh = init_device_mesh(device.type, (world,))  # one dimension: shard over all ranks
-    if args.batch_size < 1 or args.grad_accum < 1 or args.steps < 0:
-        raise UserError("--batch-size and --grad-accum must be at least 1 and --steps at least 0")
-    if args.mixed_precision == "auto":
+    if args.dtype == "auto":
         mp_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
     else:
-        mp_dtype = torch.bfloat16 if args.mixed_precision == "bf16" else None
+        mp_dtype = torch.bfloat16 if args.dtype == "bf16" else None
     if args.cpu_offload and device.type != "cuda":
         raise UserError(f"--cpu-offload moves shards from GPU memory to host RAM, but the device is {device.type} "
                         f"(already host memory); drop --cpu-offload or run on CUDA")
 
     # --- model configuration --------------------------------------------------------------------
-    latest = read_latest(args.out_dir) if args.resume else None
+    # Only config.json is read here: the memory check below comes before any weight is read or downloaded.
     if latest is not None:
         cfg = gpt.GPTConfig(**latest["config"])
+    elif args.init_from:
+        cfg = checkpoint.load_config(hub.resolve_pretrained(args.init_from, args.cache_dir, ("config.json",), log=log))
+        cfg.dropout = args.dropout
+        checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
     else:
         shape = dict(gpt.MODEL_SIZES[args.model_size])
         for key in ("n_layer", "n_head", "n_embd", "block_size"):
@@ -340,6 +470,11 @@ def run(args):
     block_size = args.block_size or cfg.block_size
     if block_size > cfg.block_size:
         raise UserError(f"--block-size {block_size} exceeds the model's {cfg.block_size} positions; use at most {cfg.block_size}")
+    if cfg.vocab_size < tokenizer.VOCAB_SIZE:
+        raise UserError(f"vocabulary mismatch: the checkpoint has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer "
+                        f"needs {tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
+    # Record the shape the run really has, so a later --resume compares against it.
+    args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, block_size
     with torch.device("meta"):
         n_params = gpt.GPT(cfg).num_params()  # the tied wte/lm_head weight counted once
     tokens_per_step = args.batch_size * block_size * args.grad_accum * world
@@ -367,6 +502,11 @@ def run(args):
         log("activations and logits belong to each rank's own micro-batch and are never sharded: lower "
             "--batch-size, add --activation-checkpointing (and --mixed-precision bf16 on a GPU) to shrink them")
         return {"estimate": estimate, "unsharded": unsharded, "params_per_rank": counts, "n_params": n_params}
+    # On a CPU the ranks of one machine share its RAM.
+    per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cpu" else 1
+    guards.check_memory(sum(estimate.values()) * per_machine, device, args.force,
+                        "lower --batch-size or --block-size, add --activation-checkpointing, use more ranks, "
+                        "or pick a smaller model")
 
     # --- data -------------------------------------------------------------------------------------
     # Rank 0 tokenises (once, cached); the others wait and then find the cache.
@@ -385,7 +525,9 @@ def run(args):
     model = build_sharded_model(cfg, mesh, args, mp_dtype, args.cpu_offload)
     # Allocate only this rank's shards (uninitialised), on the GPU, or in host RAM under --cpu-offload.
     model.to_empty(device="cpu" if args.cpu_offload else device)
-    if latest is None:
+    if latest is None and args.init_from:
+        load_pretrained_shards(model, cfg, hub.resolve_pretrained(args.init_from, args.cache_dir, log=log))
+    elif latest is None:
         init_like_train_py(model, cfg)
     params_per_rank = [None] * world
     dist.all_gather_object(params_per_rank, sum(local(p).numel() for p in model.parameters()))
@@ -394,16 +536,22 @@ def run(args):
     # Built on the sharded parameters, so each rank's AdamW keeps moments for its slice only.
     optimizer = optim.make_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2),
                                  "cpu" if args.cpu_offload else device.type)
-    start_step = 0
+    start_step, first_val = 0, None
     if latest is not None:
+        if args.steps < latest["step"]:
+            raise UserError(f"--resume: {args.out_dir} is already at step {latest['step']}; pass --steps {latest['step']} or more")
         load_sharded(args.out_dir, model, optimizer, latest)
-        start_step = latest["step"]
+        start_step, first_val = latest["step"], latest.get("first_val_loss")
+        check_finite_shards(model, start_step, None, args.out_dir)
         log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)")
     _, text = memory_report("at start", held_bytes(model, optimizer), device)
     log(text)
 
     # --- training loop ----------------------------------------------------------------------------
-    metrics_log = metrics.MetricsLog(os.path.join(args.out_dir, "metrics.jsonl"), enabled=is_main)
+    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
+    if is_main:
+        guards.start_metrics(metrics_path, args.resume)  # a fresh run starts a fresh log
+    metrics_log = metrics.MetricsLog(metrics_path, enabled=is_main)
     metrics_log.log(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
                     n_params=n_params, params_per_rank=params_per_rank, config=vars(cfg), args=vars(args))
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
@@ -414,8 +562,9 @@ def run(args):
     stop = {"requested": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))
     step, last_saved = start_step, start_step
+    last_finite = start_step if latest is not None else None  # only finite weights are ever saved
     held = held_bytes(model, optimizer)
-    val_loss = first_val = None
+    val_loss, skipped_in_a_row = None, 0
     timed_tokens, timed_seconds = 0, 0.0
     try:
         for step in range(start_step, args.steps):
@@ -442,14 +591,25 @@ def run(args):
                 loss_sum += loss.detach()
             loss_value = distributed.all_reduce_mean(loss_sum, dist_info).item()
             if not math.isfinite(loss_value):
-                raise UserError(
-                    f"loss became {loss_value} at step {step}; stopped before the update. The last good checkpoint "
-                    f"(step {last_saved}) in {args.out_dir}/{SHARDED} is kept; lower --lr or check the data"
-                )
+                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, "
+                                f"{guards.last_finite_text(last_finite, args.out_dir + '/' + SHARDED)}; "
+                                f"lower --lr or check the data")
             # The gradients are DTensors: the norm of each local slice is summed over ranks inside.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
             grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
-            optimizer.step()
+            # A NaN or infinite gradient would turn every weight it touches into NaN: skip that update. The
+            # norm is the global one, so every rank makes the same choice.
+            skipped = not math.isfinite(grad_norm)
+            if not skipped:
+                optimizer.step()
+            skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
+            if skipped:
+                log(f"step {step}: gradient norm {grad_norm}, update skipped")
+            if skipped_in_a_row >= MAX_SKIPPED:
+                raise UserError(f"the gradient norm was not finite for {MAX_SKIPPED} steps in a row (steps "
+                                f"{step - MAX_SKIPPED + 1} to {step}); stopped, "
+                                f"{guards.last_finite_text(last_finite, args.out_dir + '/' + SHARDED)}; "
+                                f"lower --lr or check the data")
             if step == args.steps - 1:
                 held = held_bytes(model, optimizer)  # the only moment gradients and AdamW state both exist
             optimizer.zero_grad(set_to_none=True)
@@ -459,6 +619,8 @@ def run(args):
                 timed_seconds += time.perf_counter() - t0
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            if skipped:
+                record["skipped"] = True
             if step % args.log_interval == 0 or step == args.steps - 1:
                 devices.synchronize(device)
                 tok_s, sec_per_step, eta = speed.report(step + 1)
@@ -473,16 +635,19 @@ def run(args):
             if flag.item():
                 raise KeyboardInterrupt
             if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
-                save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args)
-                last_saved = step + 1
+                check_finite_shards(model, step + 1, last_finite, args.out_dir + "/" + SHARDED)
+                save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args, first_val)
+                last_saved = last_finite = step + 1
         step = args.steps
     except KeyboardInterrupt:
         # Raised only after a finished step that every rank agreed on, so step + 1 is the next to run.
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT; finish the save
-        save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args)
+        check_finite_shards(model, step + 1, last_finite, args.out_dir + "/" + SHARDED)
+        save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args, first_val)
         log(f"\ninterrupted: saved step {step + 1} to {args.out_dir}/{SHARDED}; continue with --resume", file=sys.stderr)
+        dist.barrier()
         dist.destroy_process_group()
-        sys.exit(130)
+        distributed.exit_interrupted()  # 130; torchrun itself still ends with its SignalException line
     finally:
         signal.signal(signal.SIGINT, previous_handler)
 
@@ -491,9 +656,10 @@ def run(args):
         val_loss = evaluate(model, val_batches, args.eval_batches, device)
         log(f"step {step}: val loss {val_loss:.4f}" + (f" (started at {first_val:.4f})" if first_val else ""))
         metrics_log.log(step=step, val_loss=val_loss)
+    check_finite_shards(model, step, last_finite, args.out_dir + "/" + SHARDED)
     if step > last_saved or latest is None:
-        save_sharded(args.out_dir, model, optimizer, step, cfg, args)
-        log(f"saved sharded checkpoint {args.out_dir}/{SHARDED}/step-{step:06d} ({world} shard files)")
+        save_sharded(args.out_dir, model, optimizer, step, cfg, args, first_val)
+        log(f"saved sharded checkpoint {args.out_dir}/{SHARDED}/step-{step:06d} ({world} shard file{'s' if world > 1 else ''})")
     if args.export:
         export_hf(args.out_dir, model, cfg, step)
         log(f"exported {args.out_dir}/{checkpoint.CONFIG} and {checkpoint.WEIGHTS} (Hugging Face GPT-2 layout)")
@@ -504,8 +670,11 @@ def run(args):
     peak = ranks[0]["peak"]
     log(memory.format_table(estimate, peak, f"measured (rank 0 {devices.memory_label(device)})"))
     tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
+    text = sample(model, args, device) if args.sample_tokens > 0 else None
+    if text is not None:
+        log("sample:\n" + "-" * 40 + "\n" + text + "\n" + "-" * 40)
     metrics_log.log(event="end", step=step, val_loss=val_loss, peak_memory=peak, memory_per_rank=ranks,
-                    tokens_per_s=tokens_per_s, memory_estimate=sum(estimate.values()))
+                    tokens_per_s=tokens_per_s, memory_estimate=sum(estimate.values()), sample=text)
     dist.barrier()  # leave together: a gloo rank tearing down while rank 0 still writes can abort the job
     return {"val_loss": val_loss, "first_val_loss": first_val, "peak_memory": peak, "memory_per_rank": ranks,
             "params_per_rank": params_per_rank, "tokens_per_s": tokens_per_s, "world_size": world,

@@ -28,10 +28,18 @@ def atomic_write(path: str, write):
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         write(tmp)
+        # Some writers (safetensors) create their file as 0600; give it the mode open() would: 0666 - umask.
+        os.chmod(tmp, 0o666 & ~current_umask())
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def current_umask() -> int:
+    mask = os.umask(0)  # the only way to read it is to set it; put it straight back
+    os.umask(mask)
+    return mask
 
 
 def save_json(path: str, obj: dict):
@@ -63,6 +71,31 @@ def weights_step(path: str):
     with safe_open(path, framework="pt") as f:
         step = (f.metadata() or {}).get("step")
     return None if step is None else int(step)
+
+
+def load_config(model_dir: str) -> gpt.GPTConfig:
+    """config.json alone (for --estimate-memory, which must not read or download the weights)."""
+    config_path = os.path.join(model_dir, CONFIG)
+    if not os.path.isfile(config_path):
+        raise UserError(f"{config_path} is missing, so {model_dir!r} is not a GPT-2 checkpoint; point --init-from "
+                        f"at a directory holding a GPT-2 config.json and model.safetensors")
+    try:
+        with open(config_path) as f:
+            return gpt.config_from_hf(json.load(f))
+    except (json.JSONDecodeError, ValueError, KeyError, TypeError) as e:
+        raise UserError(f"{config_path} is not a GPT-2 config ({e}); point --init-from at a GPT-2 checkpoint") from None
+
+
+def check_shape_flags(cfg: gpt.GPTConfig, args, given: set):
+    """--init-from brings its own shape: --model-size, --n-layer, --n-head and --n-embd (the flags in
+    `given`) may repeat it, never contradict it. Used by train.py and train_fsdp.py."""
+    want = {k: v for k, v in gpt.MODEL_SIZES[args.model_size].items() if k != "block_size"} if "model_size" in given else {}
+    want.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if k in given})
+    for key, value in want.items():
+        if value != getattr(cfg, key):
+            flag = f"--{key.replace('_', '-')} {value}" if key in given else f"--model-size {args.model_size}"
+            raise UserError(f"{flag} contradicts --init-from {args.init_from}, whose {key} is {getattr(cfg, key)}; "
+                            f"drop the shape flags (only --block-size may shorten the sequence)")
 
 
 def load_hf(model_dir: str):

@@ -18,13 +18,23 @@ from lib.errors import UserError
 
 
 def pick_device(name: str = None) -> torch.device:
-    """--device if given, else cuda, then mps, then cpu."""
+    """--device if given (checked: cuda, cuda:N, mps or cpu, and present here), else cuda, then mps, then cpu."""
     if name:
-        dev = torch.device(name)
+        try:
+            dev = torch.device(name)
+        except (RuntimeError, ValueError):
+            dev = None
+        if dev is None or dev.type not in ("cuda", "mps", "cpu"):
+            raise UserError(f"--device {name!r} is not a device this script runs on; use cuda, cuda:N, mps or cpu")
         if dev.type == "cuda" and not torch.cuda.is_available():
-            raise UserError("--device cuda was asked for but torch.cuda.is_available() is False; use --device cpu")
+            raise UserError(f"--device {name} was asked for but torch.cuda.is_available() is False; use --device cpu")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise UserError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s), "
+                            f"cuda:0 to cuda:{torch.cuda.device_count() - 1}; pick one of those")
         if dev.type == "mps" and not torch.backends.mps.is_available():
-            raise UserError("--device mps was asked for but MPS is not available here; use --device cpu")
+            raise UserError(f"--device {name} was asked for but MPS is not available here; use --device cpu")
+        if dev.type in ("mps", "cpu") and dev.index not in (None, 0):
+            raise UserError(f"--device {name}: there is one {dev.type} device; use --device {dev.type}")
         return dev
     if torch.cuda.is_available():
         return torch.device("cuda")

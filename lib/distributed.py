@@ -6,6 +6,8 @@ variables; a script started with plain `python` sees none of them and runs as ra
 """
 
 import os
+import signal
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -68,3 +70,34 @@ def cleanup(info: DistInfo, wait: bool = True):
         if wait:
             dist.barrier()
         dist.destroy_process_group()
+
+
+def catch_ctrl_c(info: DistInfo) -> dict:
+    """Under torchrun, make Ctrl-C a request that the ranks agree on (see stop_requested), not an
+    exception that strikes each rank at a different point (one inside an all-reduce the others never
+    reach). The terminal's SIGINT and the copy torchrun forwards both only set the flag. A single
+    process keeps Python's KeyboardInterrupt, which stops it at once."""
+    flag = {"requested": False}
+    if info.enabled:
+        signal.signal(signal.SIGINT, lambda *_: flag.update(requested=True))
+    return flag
+
+
+def stop_requested(flag: dict, info: DistInfo, device) -> bool:
+    """True on every rank once any rank saw Ctrl-C: one tiny all-reduce per step, only under torchrun."""
+    if not info.enabled:
+        return False
+    t = torch.tensor(float(flag["requested"]), device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def exit_interrupted():
+    """Exit 130 (128 + SIGINT), the shell's code for a run stopped by Ctrl-C, once the save is done.
+
+    Under torchrun the workers exit 130, but torchrun itself also got the SIGINT: its elastic agent
+    stops the workers and re-raises, so torchrun always ends with its own traceback whose last line is
+    `torch.distributed.elastic.multiprocessing.api.SignalException: Process <pid> got signal: 2` and
+    exit status 1, whatever the workers do (the README says so)."""
+    sys.stdout.flush()
+    sys.exit(130)

@@ -6,7 +6,9 @@ sits around the loop, not in it. The base is read from its safetensors file one 
 and each block linear is converted (kept, cast to 16 bits, or quantised to NF4) the moment it is
 read, so the full-precision model never has to fit in memory; only the LoRA matrices reach the
 optimizer; and what is saved is the small adapter (PEFT layout) plus, for --resume, the optimizer
-state and those same LoRA matrices in one atomically written file.
+state and those same LoRA matrices in one atomically written file. Before any of that,
+resolve_run checks everything a user can get wrong (paths, a saved run in the way, --resume's
+flags, the adapter files) from config.json and the adapter alone, and save() never writes a NaN.
 """
 
 import argparse
@@ -16,7 +18,7 @@ import os
 import torch
 import torch.nn as nn
 
-from lib import checkpoint, data, gpt, hub, lora, tokenizer
+from lib import checkpoint, data, gpt, guards, hub, lora, tokenizer
 from lib import device as devices
 from lib.errors import UserError
 from lib.nf4 import LinearNF4, dequantize_linear, replace_submodule
@@ -31,8 +33,19 @@ LORA_DEFAULTS = dict(r=8, alpha=16, dropout=0.0, targets=["c_attn"], rslora=Fals
 
 
 # --- arguments ------------------------------------------------------------------------------------
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default shown once: a flag without a default (None) or a switch says in
+    its own help what happens when it is not given, so "(default: None)" would only contradict that."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0:
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
-    """The flags both fine-tuning scripts take; train.py's names wherever the meaning is the same."""
+    """The flags both fine-tuning scripts take; train.py's names wherever the meaning is the same.
+    Every number has a checked type (lib/guards), so a nonsense value ends at parse time."""
     g = p.add_argument_group("data")
     g.add_argument("--data", default=DEFAULT_DATA, help="a text file, a directory of text files, a prepared shard "
                    "directory, or 'stdlib-tests' (the Python stdlib's own tests, which pretraining left out)")
@@ -40,66 +53,92 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
     g = p.add_argument_group("base model")
     g.add_argument("--init-from", help=f"the frozen base: a Hugging Face GPT-2 directory or a hub id (gpt2, "
                    f"gpt2-medium, gpt2-large, gpt2-xl, org/name); when not given, {DEFAULT_BASE}, what train.py writes")
-    g.add_argument("--block-size", type=int, help="sequence length; when not given, the base model's")
+    g.add_argument("--block-size", type=guards.positive_int, help="sequence length; when not given, the base model's")
     g = p.add_argument_group("LoRA")
-    g.add_argument("--lora-r", type=int, default=LORA_DEFAULTS["r"], help="rank of the update B @ A")
-    g.add_argument("--lora-alpha", type=float, default=LORA_DEFAULTS["alpha"], help="the update is scaled by alpha / r")
-    g.add_argument("--lora-dropout", type=float, default=LORA_DEFAULTS["dropout"], help="dropout on the LoRA path's input")
+    g.add_argument("--lora-r", type=guards.positive_int, default=LORA_DEFAULTS["r"], help="rank of the update B @ A")
+    g.add_argument("--lora-alpha", type=guards.positive_float, default=LORA_DEFAULTS["alpha"],
+                   help="the update is scaled by alpha / r")
+    g.add_argument("--lora-dropout", type=guards.probability, default=LORA_DEFAULTS["dropout"],
+                   help="dropout on the LoRA path's input, in [0, 1)")
     g.add_argument("--lora-targets", nargs="+", default=LORA_DEFAULTS["targets"], metavar="NAME",
                    help=f"modules to adapt, from {', '.join(TARGET_CHOICES)} (c_proj = both attn.c_proj and mlp.c_proj)")
     g.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(r) (rank-stabilised LoRA)")
     g.add_argument("--adapter", help="start from this saved adapter directory (its r, alpha and targets); "
-                   "with --steps 0 it is only evaluated and sampled")
+                   "with --steps 0 it is only evaluated and sampled; when not given, a new adapter (B = 0)")
     g.add_argument("--merge", action="store_true", help="also write base + B @ A * scale as a plain Hugging Face "
                    "GPT-2 directory, OUT/merged (loadable by train.py --init-from)")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--steps", type=int, default=200, help="optimizer steps in total")
-    g.add_argument("--batch-size", type=int, default=8, help="sequences per micro-batch")
-    g.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step")
-    g.add_argument("--lr", type=float, default=5e-3, help="peak learning rate of A and B (tuned on the tiny default "
-                   "run; the LoRA paper used 2e-4 for GPT-2 medium and large)")
-    g.add_argument("--min-lr-ratio", type=float, default=0.1, help="final learning rate as a fraction of --lr")
-    g.add_argument("--warmup-steps", type=int, default=10)
-    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay on A and B")
-    g.add_argument("--beta1", type=float, default=0.9)
-    g.add_argument("--beta2", type=float, default=0.999)
-    g.add_argument("--grad-clip", type=float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--steps", type=guards.nonneg_int, default=200, help="optimizer steps in total")
+    g.add_argument("--batch-size", type=guards.positive_int, default=8, help="sequences per micro-batch")
+    g.add_argument("--grad-accum", type=guards.positive_int, default=1, help="micro-batches per optimizer step")
+    g.add_argument("--lr", type=guards.positive_float, default=5e-3, help="peak learning rate of A and B (tuned on "
+                   "the tiny default run; the LoRA paper used 2e-4 for GPT-2 medium and large)")
+    g.add_argument("--min-lr-ratio", type=guards.nonneg_float, default=0.1,
+                   help="final learning rate as a fraction of --lr, in [0, 1]")
+    g.add_argument("--warmup-steps", type=guards.nonneg_int, default=10,
+                   help="steps of linear warm-up to --lr before the cosine decay")
+    g.add_argument("--weight-decay", type=guards.nonneg_float, default=0.0, help="AdamW weight decay on A and B")
+    g.add_argument("--beta1", type=guards.probability, default=0.9, help="AdamW's decay rate of the gradient mean")
+    g.add_argument("--beta2", type=guards.probability, default=0.999,
+                   help="AdamW's decay rate of the squared-gradient mean")
+    g.add_argument("--grad-clip", type=guards.nonneg_float, default=1.0, help="clip the global gradient norm (0: off)")
     g = p.add_argument_group("run")
-    g.add_argument("--device", help="cuda, mps or cpu; when not given, the first available in that order")
+    g.add_argument("--device", help="cuda, cuda:N, mps or cpu; when not given, the first available in that order")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=dtype_help)
-    g.add_argument("--seed", type=int, default=1337)
+    g.add_argument("--seed", type=guards.nonneg_int, default=1337,
+                   help="seeds A's initialisation, the batches, dropout and sampling")
     g.add_argument("--out-dir", default=out_dir, help="adapter (PEFT layout), training state and metrics.jsonl")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --out-dir")
-    g.add_argument("--eval-interval", type=int, default=50, help="steps between held-out losses")
-    g.add_argument("--eval-batches", type=int, default=10, help="batches per held-out loss")
-    g.add_argument("--save-interval", type=int, default=100, help="steps between saves (and one at the end)")
-    g.add_argument("--log-interval", type=int, default=10, help="steps between progress lines")
-    g.add_argument("--peak-flops", type=float, help="peak FLOP/s of the device, for MFU where it is not in the table")
+    guards.add_safety_flags(g)  # --overwrite, --force
+    g.add_argument("--eval-interval", type=guards.positive_int, default=50, help="steps between held-out losses")
+    g.add_argument("--eval-batches", type=guards.positive_int, default=10, help="batches per held-out loss")
+    g.add_argument("--save-interval", type=guards.positive_int, default=100,
+                   help="steps between saves (and one at the end)")
+    g.add_argument("--log-interval", type=guards.positive_int, default=10, help="steps between progress lines")
+    g.add_argument("--peak-flops", type=guards.positive_float,
+                   help="peak FLOP/s of the device, for MFU; when not given, looked up for known GPUs")
     g.add_argument("--estimate-memory", action="store_true", help="print the predicted memory breakdown and exit "
                    "(reads config.json only; a hub id is not downloaded)")
     g = p.add_argument_group("sample")
-    g.add_argument("--sample-tokens", type=int, default=100, help="tokens to sample before and after (0: none)")
+    g.add_argument("--sample-tokens", type=guards.nonneg_int, default=100,
+                   help="tokens to sample before and after (0: none)")
     g.add_argument("--prompt", default="", help="sample prompt; empty: start a new file after <|endoftext|>")
-    g.add_argument("--temperature", type=float, default=0.8)
-    g.add_argument("--top-k", type=int, default=200)
+    g.add_argument("--temperature", type=guards.positive_float, default=0.8,
+                   help="softmax temperature of the samples (lower: more predictable)")
+    g.add_argument("--top-k", type=guards.positive_int, default=200, help="sample only from the k most likely tokens")
 
 
 def check_arguments(args):
-    """The mistakes argparse cannot see, as one-line UserErrors."""
-    if args.batch_size < 1 or args.grad_accum < 1 or args.steps < 0:
-        raise UserError("--batch-size and --grad-accum must be at least 1 and --steps at least 0")
-    if args.lora_r < 1:
-        raise UserError(f"--lora-r must be at least 1, got {args.lora_r}")
+    """The mistakes a flag's type cannot see, as one-line UserErrors."""
     if float(args.lora_alpha).is_integer():
         args.lora_alpha = int(args.lora_alpha)  # adapter_config.json then says 16, as PEFT writes it
-    if not 0 <= args.lora_dropout < 1:
-        raise UserError(f"--lora-dropout must be in [0, 1), got {args.lora_dropout}")
     args.lora_targets = [t for value in args.lora_targets for t in value.split(",") if t]
     bad = [t for t in args.lora_targets if t not in TARGET_CHOICES]
     if bad or not args.lora_targets:
         raise UserError(f"--lora-targets {' '.join(bad) or '(none)'}: choose from {', '.join(TARGET_CHOICES)}")
+    if args.min_lr_ratio > 1:
+        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1; the final learning rate is a fraction of --lr, "
+                        f"pass a value from 0 to 1")
+    if args.seed >= 2**32 - 1:  # numpy's seed is 32 bits, and the held-out batches use seed + 1
+        raise UserError(f"--seed {args.seed} is too large; pass a seed below {2**32 - 1}")
     if args.resume and args.adapter:
         raise UserError("--resume continues the adapter saved in --out-dir, --adapter starts from another one; pass one of them")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out-dir, --overwrite replaces it; pass one of them")
+
+
+def check_paths(args):
+    """--cache-dir always (an estimate may download config.json); --out-dir and --data for a real run."""
+    guards.check_cache_dir(args.cache_dir)
+    if not args.estimate_memory:
+        guards.check_output_dir(args.out_dir)
+        merged = os.path.join(args.out_dir, "merged")
+        if args.merge and os.path.exists(merged) and not os.path.isdir(merged):
+            raise UserError(f"--merge writes the directory {merged}, which is an existing file; move the file away "
+                            f"or pass another --out-dir")
+        if args.data not in ("stdlib", "stdlib-tests") and not os.path.exists(args.data):
+            raise UserError(f"--data {args.data!r} does not exist; pass a text file, a directory of text files, a "
+                            f"prepared shard directory or stdlib-tests")
 
 
 # --- the base model -------------------------------------------------------------------------------
@@ -122,13 +161,15 @@ def read_config(model_dir: str) -> gpt.GPTConfig:
     except FileNotFoundError:
         raise UserError(f"{path} is missing, so {model_dir!r} is not a GPT-2 checkpoint; point --init-from at a "
                         f"directory holding config.json and model.safetensors") from None
-    except (json.JSONDecodeError, ValueError) as e:
-        raise UserError(f"{path} is not a GPT-2 config ({e})") from None
+    except (json.JSONDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UserError(f"{path} is not a GPT-2 config ({type(e).__name__}: {e}); point --init-from at a GPT-2 "
+                        f"checkpoint") from None
 
 
-def config_for_estimate(init_from, cache_dir, log=print) -> gpt.GPTConfig:
-    """The base's shape without its weights: the known GPT-2 sizes by name, else config.json only."""
-    if init_from in gpt.MODEL_SIZES and not os.path.isdir(init_from):
+def config_for_estimate(init_from, cache_dir, log=print, known_sizes=True) -> gpt.GPTConfig:
+    """The base's shape without its weights: the published GPT-2 sizes by name (known_sizes: no
+    network at all), else config.json only (a hub id's weights are not downloaded)."""
+    if known_sizes and init_from in gpt.MODEL_SIZES and not os.path.isdir(init_from):
         return gpt.GPTConfig(**gpt.MODEL_SIZES[init_from])
     if init_from and not os.path.isdir(init_from):
         return read_config(hub.resolve_pretrained(init_from, cache_dir, filenames=("config.json",), log=log))
@@ -155,7 +196,21 @@ def _read_header(path: str):
     for name, entry in header.items():
         if entry.get("dtype") not in _SAFETENSORS_DTYPES:
             raise UserError(f"{path}: tensor {name} has dtype {entry.get('dtype')}; a GPT-2 checkpoint holds float tensors")
+    if 8 + n + max((e["data_offsets"][1] for e in header.values()), default=0) > os.path.getsize(path):
+        raise UserError(f"{path} is truncated (its tensors end past the end of the file); download or save it again")
     return header, 8 + n
+
+
+def check_base_weights(model_dir: str, cfg: gpt.GPTConfig):
+    """model.safetensors present, whole, and of the names and shapes config.json implies, from its
+    header alone: a wrong or truncated file fails in a moment, before any work."""
+    path = os.path.join(model_dir, checkpoint.WEIGHTS)
+    header, data_start = _read_header(path)
+    shapes = {}
+    for hf_name, entry in header.items():
+        shapes.update(gpt.from_hf_state_dict({hf_name: torch.empty(entry["shape"], device="meta")}))
+    checkpoint.check_state_dict(shapes, cfg, path)
+    return header, data_start
 
 
 def _read_tensor(f, entry: dict, data_start: int) -> torch.Tensor:
@@ -182,12 +237,7 @@ def load_base(model_dir: str, device, convert_linear=None) -> gpt.GPT:
     cfg = read_config(model_dir)
     cfg.dropout = 0.0
     path = os.path.join(model_dir, checkpoint.WEIGHTS)
-    header, data_start = _read_header(path)
-    # Names and shapes are checked before any weight is read: a wrong file fails in a moment.
-    shapes = {}
-    for hf_name, entry in header.items():
-        shapes.update(gpt.from_hf_state_dict({hf_name: torch.empty(entry["shape"], device="meta")}))
-    checkpoint.check_state_dict(shapes, cfg, path)
+    header, data_start = check_base_weights(model_dir, cfg)  # names and shapes before any weight is read
 
     with torch.device("meta"):
         model = gpt.GPT(cfg)
@@ -226,17 +276,63 @@ def lora_settings(args) -> dict:
                 rslora=args.rslora)
 
 
-def read_adapter_settings(adapter_dir: str) -> dict:
-    """The lora_settings() an adapter directory's adapter_config.json describes."""
+def adapter_shapes(cfg: gpt.GPTConfig, targets, r: int) -> dict:
+    """{PEFT key: shape} of the A and B matrices an adapter with these targets and rank holds for
+    this base: A is [r, in], B is [out, r] for each block linear a target selects."""
+    C = cfg.n_embd
+    fans = {"attn.c_attn": (C, 3 * C), "attn.c_proj": (C, C), "mlp.c_fc": (C, 4 * C), "mlp.c_proj": (4 * C, C)}
+    linears = {f"transformer.h.{i}.{name}": fans[name] for i in range(cfg.n_layer) for name in BLOCK_LINEARS}
+    for t in targets:
+        if not any(lora.target_matches(name, [t]) for name in linears):
+            raise UserError(f"target {t!r} in {lora.CONFIG_NAME} selects no block linear of this {cfg.n_layer}-layer "
+                            f"GPT-2 (they are named like transformer.h.0.attn.c_attn); use an adapter made for GPT-2")
+    shapes = {}
+    for name, (fan_in, fan_out) in linears.items():
+        if lora.target_matches(name, targets):
+            shapes[f"{lora.PEFT_PREFIX}{name}.lora_A.weight"] = (r, fan_in)
+            shapes[f"{lora.PEFT_PREFIX}{name}.lora_B.weight"] = (fan_out, r)
+    return shapes
+
+
+def check_adapter(adapter_dir: str, cfg: gpt.GPTConfig) -> dict:
+    """--adapter, checked against the base before any work starts: adapter_config.json readable and
+    sensible, adapter_model.safetensors readable (not truncated), holding exactly the A and B matrices
+    the config implies for this base, every one of them finite. Returns its lora_settings()."""
+    def fail(message):
+        raise UserError(f"--adapter {adapter_dir}: {message}")
+
+    if not os.path.isdir(adapter_dir):
+        fail("no such directory; pass the directory that holds adapter_config.json and adapter_model.safetensors")
     try:
         config = lora.read_adapter_config(adapter_dir)
-    except ValueError as e:
-        raise UserError(f"--adapter {adapter_dir}: {str(e).removeprefix('load_adapter: ')}") from None
+        tensors = lora.read_adapter_weights(adapter_dir)
+    except ValueError as e:  # they name the file, the field or the reason
+        fail(str(e).removeprefix("load_adapter: "))
     if isinstance(config["target_modules"], str):
-        raise UserError(f"--adapter {adapter_dir}: target_modules in {lora.CONFIG_NAME} is a regular expression; "
-                        f"these scripts read adapters that list module names, e.g. [\"c_attn\"]")
-    return dict(r=config["r"], alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
-                targets=list(config["target_modules"]), rslora=config.get("use_rslora", False))
+        fail(f"target_modules in {lora.CONFIG_NAME} is a regular expression; these scripts read adapters that "
+             f"list module names, e.g. [\"c_attn\"]")
+    settings = dict(r=config["r"], alpha=config["lora_alpha"], dropout=config.get("lora_dropout", 0.0),
+                    targets=list(config["target_modules"]), rslora=config.get("use_rslora", False))
+    path = os.path.join(adapter_dir, lora.WEIGHTS_NAME)
+    try:
+        want = adapter_shapes(cfg, settings["targets"], settings["r"])
+    except UserError as e:
+        fail(str(e))
+    for key, t in sorted(tensors.items()):
+        if key not in want:
+            fail(f"{path} key {key!r} is not a LoRA matrix of the layers its config targets "
+                 f"({', '.join(settings['targets'])}) in this base; use the adapter made for this base")
+        if tuple(t.shape) != want[key]:
+            fail(f"{path} key {key!r} has shape {list(t.shape)}, the base model and r={settings['r']} imply "
+                 f"{list(want[key])}; the adapter was made for another base")
+    missing = sorted(set(want) - set(tensors))
+    if missing:
+        fail(f"{path} lacks {len(missing)} of the {len(want)} LoRA matrices its config implies, e.g. {missing[0]!r}; "
+             f"save or download the adapter again")
+    bad = guards.nonfinite(tensors)
+    if bad:
+        fail(f"{path} holds NaN or inf in {len(bad)} tensors (e.g. {bad[0]!r}); it cannot be used, pick an earlier adapter")
+    return settings
 
 
 def load_adapter(model: nn.Module, adapter_dir: str, dtype=None) -> dict:
@@ -245,8 +341,6 @@ def load_adapter(model: nn.Module, adapter_dir: str, dtype=None) -> dict:
         return lora.load_adapter(model, adapter_dir, dtype)
     except ValueError as e:
         raise UserError(f"--adapter {adapter_dir}: {str(e).removeprefix('load_adapter: ')}") from None
-    except OSError as e:  # safetensors' own errors for a truncated or foreign file
-        raise UserError(f"--adapter {adapter_dir}: {lora.WEIGHTS_NAME} cannot be read ({e})") from None
 
 
 def flops_per_token(n_params: int, n_lora: int, n_layer: int, n_embd: int, block_size: int) -> float:
@@ -294,12 +388,16 @@ def dtype_name(amp) -> str:
     return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
 
 
-def save(out_dir, model, optimizer, step, base_dir, settings, first_val, amp, args):
+def save(out_dir, model, optimizer, step, base_dir, settings, first_val, amp, args, last_finite):
     """training_state.pt first (LoRA matrices + optimizer + RNG, one atomic file, so --resume never
-    sees an adapter from one step and moments from another), then the adapter in the PEFT layout."""
+    sees an adapter from one step and moments from another), then the adapter in the PEFT layout.
+    A and B holding a NaN or an infinity are never saved: the run stops with a UserError that names
+    last_finite, the last step saved with finite weights (None: none was). Returns step."""
+    trainable = trainable_state(model)
+    guards.check_finite_weights(trainable, step, last_finite, out_dir)
     state = {
         "step": step,
-        "trainable": trainable_state(model),
+        "trainable": trainable,
         "optimizer": optimizer.state_dict(),
         "rng_cpu": torch.get_rng_state(),
         "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
@@ -310,27 +408,106 @@ def save(out_dir, model, optimizer, step, base_dir, settings, first_val, amp, ar
         "args": json.dumps(vars(args)),
     }
     checkpoint.save_training_state(out_dir, state)
-    return lora.save_adapter(model, out_dir, {"base_model_name_or_path": args.init_from or base_dir,
-                                              "target_modules": settings["targets"]})
+    lora.save_adapter(model, out_dir, {"base_model_name_or_path": args.init_from or base_dir,
+                                       "target_modules": settings["targets"]})
+    return step
 
 
-def load_state_for_resume(out_dir: str, settings: dict, init_from, cache_dir) -> dict:
-    """The saved training state. Its base and LoRA settings are the run's; a flag given on the command
-    line that says otherwise is a mistake (defaults are not, so `--resume` alone is enough)."""
-    state = checkpoint.load_training_state(out_dir)
-    where = os.path.join(out_dir, checkpoint.STATE)
-    for key, flag in (("r", "--lora-r"), ("alpha", "--lora-alpha"), ("dropout", "--lora-dropout"),
-                      ("targets", "--lora-targets"), ("rslora", "--rslora")):
-        if settings[key] != LORA_DEFAULTS[key] and settings[key] != state["lora"][key]:
-            raise UserError(f"--resume: {flag} is {settings[key]} but the run in {where} used {state['lora'][key]}; "
-                            f"leave the flag out, or use a new --out-dir")
-    if init_from and os.path.abspath(resolve_base(init_from, cache_dir)) != state["base"]:
-        raise UserError(f"--resume: --init-from {init_from} is not the base of the run in {where} "
-                        f"({state['base']}); leave --init-from out to use that one")
-    if not os.path.isdir(state["base"]):
-        raise UserError(f"--resume: the base of the run in {where}, {state['base']}, no longer exists; "
+# --- before any work: the saved run, the base, the adapter ------------------------------------------
+# What --resume does with a flag given again: these make the run what it is (its base and adapter
+# shape, the windows each step reads, the optimizer its moments belong to), so a different value is
+# an error; these may change (the schedule, how often to evaluate, log and save), and are reported.
+RESUME_FIXED = ["data", "block_size", "batch_size", "grad_accum", "seed", "lora_r", "lora_alpha", "lora_dropout",
+                "lora_targets", "rslora", "weight_decay", "beta1", "beta2"]
+RESUME_CHANGEABLE = ["steps", "lr", "min_lr_ratio", "warmup_steps", "grad_clip", "dtype", "eval_interval",
+                     "eval_batches", "save_interval", "log_interval"]
+
+
+def resolve_run(args, parser, argv=None, log=print, fixed=()):
+    """Everything both scripts check before any work, in order: the paths; the saved run in --out-dir
+    (continued with --resume, else never replaced without --overwrite); the base model's config.json
+    (a hub id's weights are not downloaded yet: the memory check comes first); the flags --resume was
+    given again; the --adapter files. `fixed` names the script's own flags --resume must not change.
+    Returns (saved training state or None, LoRA settings, the base's GPTConfig)."""
+    check_paths(args)
+    state = checkpoint.load_training_state(args.out_dir) if args.resume else None
+    if state is not None and not {"lora", "base", "trainable"} <= set(state):
+        raise UserError(f"--resume: {os.path.join(args.out_dir, checkpoint.STATE)} is not a fine-tuning run's state "
+                        f"(train.py's?); pass the --out-dir of a finetune_lora.py or finetune_qlora.py run")
+    if not args.resume and not args.estimate_memory:
+        refuse_to_replace(args)
+    if state is not None and not args.estimate_memory and not os.path.isdir(state["base"]):
+        raise UserError(f"--resume: the base of the run in {args.out_dir}, {state['base']}, no longer exists; "
                         f"restore it or start a new run")
-    return state
+    init_from = state["base"] if state else args.init_from
+    cfg = config_for_estimate(init_from, args.cache_dir, log, known_sizes=args.estimate_memory)
+    if not args.estimate_memory and (init_from is None or os.path.isdir(init_from)):
+        check_not_base(args, init_from or DEFAULT_BASE)  # a hub id's directory: in base_weights
+    if state is not None:
+        check_resume_flags(state, args, parser, argv, cfg, fixed, log)
+        return state, state["lora"], cfg
+    if args.adapter:
+        return None, check_adapter(args.adapter, cfg), cfg
+    return None, lora_settings(args), cfg
+
+
+def base_weights(args, state, cfg, log=print) -> str:
+    """The base directory with its weights: downloaded now for a hub id (after the memory check), the
+    saved run's for --resume. model.safetensors is checked from its header: whole, of the shapes
+    config.json gives, and not where this run writes. Then --out-dir is created and test-written."""
+    model_dir = state["base"] if state else resolve_base(args.init_from, args.cache_dir, log)
+    check_base_weights(model_dir, cfg)
+    check_not_base(args, model_dir)
+    guards.make_output_dir(args.out_dir)  # a probe file: a read-only mount stops here, root or not
+    return model_dir
+
+
+def refuse_to_replace(args):
+    """A fresh run never replaces a saved adapter, training state or merged model without --overwrite."""
+    if args.overwrite:
+        return
+    if args.adapter and os.path.realpath(args.adapter) == os.path.realpath(args.out_dir):
+        raise UserError(f"--adapter and --out-dir are the same directory, {args.out_dir}: this run would replace the "
+                        f"adapter it starts from and its metrics.jsonl; pass another --out-dir")
+    guards.refuse_overwrite(args.out_dir, resume=False, overwrite=False)
+    merged = os.path.join(args.out_dir, "merged")
+    if args.merge and os.path.isfile(os.path.join(merged, checkpoint.WEIGHTS)):
+        raise UserError(f"--merge: {merged} already holds a merged model; pass --overwrite to replace it, "
+                        f"or another --out-dir")
+
+
+def check_not_base(args, model_dir: str):
+    """The base is read, never written: not by the adapter files, not by --merge (the default base,
+    out/train, is train.py's checkpoint, and its training_state.pt would be replaced)."""
+    base = os.path.realpath(model_dir)
+    if os.path.realpath(args.out_dir) == base:
+        raise UserError(f"--out-dir {args.out_dir} is the base model's directory; fine-tuning never writes into its "
+                        f"base: pass another --out-dir")
+    if args.merge and os.path.realpath(os.path.join(args.out_dir, "merged")) == base:
+        raise UserError(f"--merge would write {os.path.join(args.out_dir, 'merged')}, the base model's directory; "
+                        f"pass another --out-dir")
+
+
+def check_resume_flags(state: dict, args, parser, argv, cfg, fixed=(), log=print):
+    """--resume continues the saved run: a flag given again that contradicts it is an error naming the
+    saved value; a changed schedule or interval is printed. Compared with what the run really used:
+    the adapter's LoRA settings (also when it started from --adapter) and the base's block size."""
+    saved = json.loads(state.get("args") or "{}")
+    made_by = "finetune_qlora.py" if "nf4_block_size" in saved else "finetune_lora.py"
+    if saved and ("nf4_block_size" in saved) != hasattr(args, "nf4_block_size"):
+        raise UserError(f"--resume: the run in {args.out_dir} was made by {made_by} (its base is "
+                        f"{'NF4' if made_by == 'finetune_qlora.py' else 'not quantised'}); continue it with {made_by}")
+    lora_saved = state["lora"]
+    saved.update(lora_r=lora_saved["r"], lora_alpha=lora_saved["alpha"], lora_dropout=lora_saved["dropout"],
+                 lora_targets=lora_saved["targets"], rslora=lora_saved["rslora"])
+    if saved.get("block_size") is None:
+        saved["block_size"] = cfg.block_size
+    init_from = args.init_from
+    if init_from and init_from != saved.get("init_from") and not (
+            os.path.isdir(init_from) and os.path.realpath(init_from) == os.path.realpath(state["base"])):
+        raise UserError(f"--resume: --init-from {init_from} contradicts the saved run (its base is {state['base']}); "
+                        f"drop --init-from to continue it, or start a new run with --overwrite or another --out-dir")
+    guards.check_resume_flags(saved, args, parser, RESUME_FIXED + list(fixed), RESUME_CHANGEABLE, log=log, argv=argv)
 
 
 def restore_trainable(model: nn.Module, tensors: dict, where: str):

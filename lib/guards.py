@@ -168,3 +168,19 @@ def check_resume_flags(saved_args: dict, args, parser, fixed, changeable, log=pr
     for key in changeable:
         if key in saved_args and current.get(key) != saved_args[key]:
             log(f"--resume: {'--' + key.replace('_', '-')} changed from {saved_args[key]} to {current.get(key)}")
+
+
+# --- creating the output directory -------------------------------------------------------------------
+def make_output_dir(path: str, flag: str = "--out-dir"):
+    """check_output_dir, then create the directory and write a probe file in it: a read-only mount or a
+    directory only permissions stop (root passes os.access everywhere) fails here, before any work."""
+    import tempfile
+
+    check_output_dir(path, flag)
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise UserError(f"{flag} {os.path.abspath(path)} cannot be written ({e.strerror}); pick a directory "
+                        f"you can write to") from None

@@ -7,6 +7,7 @@ huggingface_hub: HF_ENDPOINT (a mirror) and HF_HUB_OFFLINE=1 (never touch the ne
 Nothing here runs unless the user names a hub id.
 """
 
+import json
 import os
 import re
 import urllib.error
@@ -87,88 +88,97 @@ def download(repo_id: str, filenames, cache_dir: str, revision: str = "main", lo
     return local
 
 
+def looks_like_path(name: str) -> bool:
+    """A name the user meant as a local path: it starts like one (/, ., ~), has more separators than a hub
+    id's one slash, or its parent directory exists here (out/trian when out/ exists)."""
+    seps = [os.sep] + ([os.altsep] if os.altsep else [])
+    if name.startswith(("/", ".", "~", *seps)) or name.endswith(tuple(seps)):
+        return True
+    if sum(name.count(s) for s in seps) > 1 or (os.sep != "/" and os.sep in name):
+        return True
+    parent = os.path.dirname(name)
+    return bool(parent) and os.path.isdir(parent)
+
+
 def resolve_pretrained(name_or_dir: str, cache_dir: str, filenames=("config.json", "model.safetensors"), log=print) -> str:
     """A local directory as it is; a hub id (gpt2, gpt2-medium, org/name) downloaded into the cache."""
     if os.path.isdir(name_or_dir):
         return name_or_dir
-    if is_hub_id(name_or_dir) and not os.path.exists(name_or_dir):
-        return download(name_or_dir, filenames, cache_dir, log=log)
+    if os.path.exists(name_or_dir):
+        raise UserError(f"--init-from {name_or_dir!r} is a file, not a directory; pass the Hugging Face GPT-2 "
+                        f"directory that holds config.json and model.safetensors")
+    if looks_like_path(name_or_dir):
+        full = os.path.abspath(os.path.expanduser(name_or_dir))
+        raise UserError(f"--init-from {name_or_dir!r}: the local path {full} does not exist; check the path "
+                        f"(or, for the hub, pass an id such as gpt2 or org/name)")
+    if is_hub_id(name_or_dir):
+        try:
+            return download(name_or_dir, filenames, cache_dir, log=log)
+        except UserError as e:  # the user may have meant a local directory: say both
+            raise UserError(f"{e} (--init-from {name_or_dir!r} was read as a hub id: no local directory of that "
+                            f"name exists here)") from None
     raise UserError(
         f"--init-from {name_or_dir!r} is neither a directory nor a hub id; pass a local Hugging Face "
         f"GPT-2 directory or one of {', '.join(ALIASES)}"
     )
 
 
-# --- whole model directories: optional files and sharded weights (judge_train_*.py) ----------------
-ABSENT = ".absent.json"  # names the hub answered 404 for, so a later offline run knows they do not exist
-
-
-def _exists(url: str) -> bool:
-    """HEAD the file: True when the hub has it, False on 404; other failures raise as _fetch does."""
+def _missing_on_hub(repo_id: str, filename: str, revision: str) -> bool:
+    """True when the hub answers 404 for this file (a HEAD request: nothing is downloaded)."""
+    endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
+    url = f"{endpoint}/{ALIASES.get(repo_id, repo_id)}/resolve/{revision}/{filename}"
     headers = {"User-Agent": "byhand/0.1 (stdlib urllib)"}
     if os.environ.get("HF_TOKEN"):
         headers["Authorization"] = f"Bearer {os.environ['HF_TOKEN']}"
     try:
         with urllib.request.urlopen(urllib.request.Request(url, headers=headers, method="HEAD"), timeout=60):
-            return True
-    except urllib.error.HTTPError as e:
-        if e.code == 404:
             return False
-        what = {401: "needs authentication (set HF_TOKEN)",
-                403: "is forbidden (gated repository? accept its licence on the hub and set HF_TOKEN)"}
-        raise UserError(f"download of {url} {what.get(e.code, f'failed with HTTP {e.code}')}") from None
-    except (urllib.error.URLError, TimeoutError, ConnectionError) as e:
-        raise UserError(f"cannot reach {url} ({getattr(e, 'reason', e)}); check the network or HF_ENDPOINT, "
-                        f"or pass a local directory (HF_HUB_OFFLINE=1 uses only the cache)") from None
+    except urllib.error.HTTPError as e:
+        return e.code == 404  # other answers (401, 403, 5xx) are reported by the download itself
+    except (urllib.error.URLError, TimeoutError, ConnectionError):
+        return False  # let the download report the network problem
 
 
-def download_optional(repo_id: str, filenames, cache_dir: str, revision: str = "main", log=print) -> list:
-    """Fetch whichever of `filenames` the repository has; return the names now in the cache.
+def download_optional(repo_id: str, filename: str, cache_dir: str, revision: str = "main", log=print):
+    """The local path of `filename` (downloaded if needed), or None when the repository has no such
+    file (or HF_HUB_OFFLINE is set and it is not cached). For files a model may or may not ship,
+    such as tokenizer_config.json."""
+    local = os.path.join(cache_dir, "hub", ALIASES.get(repo_id, repo_id).replace("/", "--"), revision)
+    if os.path.isfile(os.path.join(local, filename)):
+        return os.path.join(local, filename)
+    if offline() or _missing_on_hub(repo_id, filename, revision):
+        return None
+    return os.path.join(download(repo_id, [filename], cache_dir, revision, log), filename)
 
-    A 404 is remembered in .absent.json beside the files. With HF_HUB_OFFLINE only the cache is used.
-    """
-    import json
 
-    repo_id = ALIASES.get(repo_id, repo_id)
-    local = os.path.join(cache_dir, "hub", repo_id.replace("/", "--"), revision)
-    absent_path = os.path.join(local, ABSENT)
-    try:
-        with open(absent_path) as f:
-            absent = set(json.load(f))
-    except (OSError, ValueError):
-        absent = set()
-    todo = [n for n in filenames if not os.path.isfile(os.path.join(local, n)) and n not in absent]
-    if todo and not offline():
-        endpoint = os.environ.get("HF_ENDPOINT", DEFAULT_ENDPOINT).rstrip("/")
-        os.makedirs(local, exist_ok=True)
-        for name in todo:
-            url = f"{endpoint}/{repo_id}/resolve/{revision}/{name}"
-            if _exists(url):
-                log(f"downloading {url}")
-                _fetch(url, os.path.join(local, name), log)
-            else:
-                absent.add(name)
-        tmp = absent_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(sorted(absent), f)
-        os.replace(tmp, absent_path)
-    return [n for n in filenames if os.path.isfile(os.path.join(local, n))]
+def download_first(repo_id: str, filenames, cache_dir: str, revision: str = "main", log=print) -> str:
+    """The local path of the first of `filenames` the repository has (a cached one wins), e.g.
+    model.safetensors, else pytorch_model.bin for checkpoints older than safetensors."""
+    local = os.path.join(cache_dir, "hub", ALIASES.get(repo_id, repo_id).replace("/", "--"), revision)
+    for name in filenames:
+        if os.path.isfile(os.path.join(local, name)):
+            return os.path.join(local, name)
+    if offline():
+        raise UserError(f"HF_HUB_OFFLINE is set and {repo_id} is not in the cache ({local} has none of {list(filenames)}); "
+                        f"unset HF_HUB_OFFLINE once to download it, or pass a local directory")
+    for name in filenames:
+        if not _missing_on_hub(repo_id, name, revision):
+            return os.path.join(download(repo_id, [name], cache_dir, revision, log), name)
+    raise UserError(f"{repo_id} has none of {', '.join(filenames)} (checked on the hub); check the repository id")
 
 
 def download_model(repo_id: str, cache_dir: str, optional=(), revision: str = "main", hint: str | None = None,
                    log=print) -> str:
-    """config.json, the safetensors weights (one file, or model.safetensors.index.json and every shard it
-    names) and whichever `optional` files exist; return the local directory.
+    """A whole model directory (judge_train_*.py): config.json, the safetensors weights (one file, or
+    model.safetensors.index.json and every shard it names) and whichever `optional` files the
+    repository has (tokenizer files); return the local directory.
 
-    `hint` is appended to any error (e.g. "or --model tiny for the offline demo").
+    `hint` is appended to any error (e.g. "--model tiny runs the offline demo").
     """
-    import json
-
     try:
         local = download(repo_id, ["config.json"], cache_dir, revision, log)
-        if "model.safetensors.index.json" in download_optional(repo_id, ["model.safetensors.index.json"],
-                                                               cache_dir, revision, log):
-            index = os.path.join(local, "model.safetensors.index.json")
+        index = download_optional(repo_id, "model.safetensors.index.json", cache_dir, revision, log)
+        if index:
             try:
                 with open(index) as f:
                     shards = sorted(set(json.load(f)["weight_map"].values()))
@@ -176,8 +186,13 @@ def download_model(repo_id: str, cache_dir: str, optional=(), revision: str = "m
                 raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); delete it and download again") from None
             download(repo_id, shards, cache_dir, revision, log)
         else:
+            if not offline() and not os.path.isfile(os.path.join(local, "model.safetensors")) \
+                    and _missing_on_hub(repo_id, "model.safetensors", revision):
+                raise UserError(f"{repo_id} has neither model.safetensors nor model.safetensors.index.json; "
+                                f"only safetensors checkpoints can be loaded")
             download(repo_id, ["model.safetensors"], cache_dir, revision, log)
-        download_optional(repo_id, list(optional), cache_dir, revision, log)
+        for name in optional:
+            download_optional(repo_id, name, cache_dir, revision, log)
     except UserError as e:
         if hint:
             raise UserError(f"{e}; {hint}") from None

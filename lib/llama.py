@@ -82,14 +82,25 @@ def config_from_hf(d: dict, where: str = "config.json") -> LlamaConfig:
     if model_type not in ARCHITECTURES or any(a not in ARCHITECTURES.values() for a in archs):
         raise UserError(f"{where} describes model_type {model_type!r} {archs}; only LlamaForCausalLM and "
                         f"Qwen2ForCausalLM checkpoints are supported; pick a Llama or Qwen2 model")
+    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+    missing = [k for k in required if not isinstance(d.get(k), int)]
+    if missing:
+        raise UserError(f"{where} has no integer {missing[0]}; re-download or fix config.json")
     known = {f.name for f in fields(LlamaConfig)} - {"extra", "rope_scaling", "rope_theta"}
     kw = {k: d[k] for k in known if d.get(k) is not None}
+    # transformers' defaults where the file is silent (ours suit the tiny demo model instead)
+    kw.setdefault("num_key_value_heads", kw["num_attention_heads"])
+    kw.setdefault("tie_word_embeddings", False)
     # transformers 5 writes {"rope_parameters": {"rope_type", "rope_theta", ...}}; 4.x rope_theta + rope_scaling.
     rope = dict(d.get("rope_parameters") or d.get("rope_scaling") or {})
     kw["rope_theta"] = float(rope.pop("rope_theta", d.get("rope_theta", 10000.0)))
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type not in ("default", "llama3", "linear"):
         raise UserError(f"{where} asks for rope_type {rope_type!r}; supported are default, linear and llama3")
+    need = {"default": (), "linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}[rope_type]
+    if any(not isinstance(rope.get(k), (int, float)) for k in need):
+        raise UserError(f"{where}: rope scaling {rope_type} needs numbers for {', '.join(need)}; fix config.json")
     kw["rope_scaling"] = None if rope_type == "default" else {**rope, "rope_type": rope_type}
     if model_type == "qwen2" and d.get("use_sliding_window"):
         raise UserError(f"{where} turns on use_sliding_window; sliding-window attention is not supported")
@@ -393,7 +404,14 @@ def build_model(cfg: LlamaConfig, seed: int | None = None, dtype=torch.float32, 
     """A randomly initialised model (transformers' N(0, 0.02) init), e.g. the offline demo model."""
     if seed is not None:
         torch.manual_seed(seed)
-    return Llama(cfg).to(device=device, dtype=dtype)
+    # Built directly on the device in the dtype: a 3B bench model never exists twice.
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return Llama(cfg)
+    finally:
+        torch.set_default_dtype(default)
 
 
 # --- loading and saving in the Hugging Face layout --------------------------------------------------
@@ -588,9 +606,11 @@ def config_for_estimate(name_or_dir: str, cache_dir: str) -> LlamaConfig:
                     f"--estimate-memory to download it, or pass a local model directory")
 
 
+# What transformers reads besides the weights (the same list as lib/chat_tokenizer.TOKENIZER_FILES,
+# kept here so the decoder does not depend on the tokenizer module).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
                    "special_tokens_map.json", "generation_config.json", "chat_template.jinja")
-OFFLINE_HINT = "pass a local model directory, or --model tiny for the offline demo"
+OFFLINE_HINT = "--model tiny runs the offline demo without any download"
 
 
 def resolve_model(name_or_dir: str, cache_dir: str, log=print) -> str:

@@ -15,13 +15,13 @@ import json
 import math
 import os
 import re
-import tempfile
 
 import torch
 import torch.nn as nn
-from safetensors import safe_open
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
+from lib.checkpoint import atomic_write  # temporary name, then rename; the umask's mode
 from lib.nf4 import LinearNF4, dequantize_linear, replace_submodule
 
 PEFT_PREFIX = "base_model.model."
@@ -76,7 +76,7 @@ class LoRALinear(nn.Module):
         return f"r={self.r}, alpha={self.alpha}, scale={self.scale:.4g}, rslora={self.rslora}"
 
 
-def _target_matches(name: str, targets) -> bool:
+def target_matches(name: str, targets) -> bool:
     # PEFT rules: a list matches on a dotted suffix ("c_proj" matches
     # "transformer.h.0.mlp.c_proj", "proj" does not); a string is a full regex.
     if isinstance(targets, str):
@@ -97,9 +97,9 @@ def apply_lora(model: nn.Module, targets=("c_attn",), r: int = 8, alpha: float =
     inside_lora = tuple(name + "." for name in _lora_modules(model))
     linears = {name: m for name, m in model.named_modules()
                if isinstance(m, (nn.Linear, LinearNF4)) and not name.startswith(inside_lora)}
-    names = [name for name in linears if _target_matches(name, targets)]
+    names = [name for name in linears if target_matches(name, targets)]
     for one in ([targets] if isinstance(targets, str) else [[t] for t in targets]):
-        if not any(_target_matches(name, one) for name in linears):
+        if not any(target_matches(name, one) for name in linears):
             examples = ", ".join(list(linears)[:6]) or "(none)"
             raise ValueError(f"apply_lora: target {one if isinstance(one, str) else one[0]!r} matches "
                              f"no linear module; linear modules are named like: {examples}")
@@ -134,22 +134,9 @@ def _infer_targets(all_names: list[str], wrapped: list[str]) -> list[str]:
     # Prefer short leaf names ("c_attn") when they select exactly the wrapped set,
     # else fall back to full dotted paths, which always do.
     leaves = sorted({n.rsplit(".", 1)[-1] for n in wrapped})
-    if sorted(n for n in all_names if _target_matches(n, leaves)) == sorted(wrapped):
+    if sorted(n for n in all_names if target_matches(n, leaves)) == sorted(wrapped):
         return leaves
     return sorted(wrapped)
-
-
-def _atomic_write(path: str, write) -> None:
-    # Write beside the destination, then rename: a crash never leaves half a file.
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path) or ".", prefix="." + os.path.basename(path), suffix=".tmp")
-    os.close(fd)
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def save_adapter(model: nn.Module, out_dir: str, config_dict: dict | None = None,
@@ -197,21 +184,21 @@ def save_adapter(model: nn.Module, out_dir: str, config_dict: dict | None = None
     config.update(config_dict or {})
     if isinstance(config["target_modules"], tuple):
         config["target_modules"] = list(config["target_modules"])
-    matched = sorted(n for n in loras if _target_matches(n, config["target_modules"]))
+    matched = sorted(n for n in loras if target_matches(n, config["target_modules"]))
     if matched != sorted(loras):
         raise ValueError(f"save_adapter: target_modules {config['target_modules']!r} do not select "
                          f"exactly the LoRA layers of the model ({sorted(loras)})")
 
     os.makedirs(out_dir, exist_ok=True)
     tensors = adapter_state_dict(model)
-    _atomic_write(os.path.join(out_dir, WEIGHTS_NAME),
+    atomic_write(os.path.join(out_dir, WEIGHTS_NAME),
                   lambda p: save_file(tensors, p, metadata={"format": "pt"}))
 
     def write_json(p):
         with open(p, "w") as f:
             json.dump(config, f, indent=2, sort_keys=True)
             f.write("\n")
-    _atomic_write(os.path.join(out_dir, CONFIG_NAME), write_json)
+    atomic_write(os.path.join(out_dir, CONFIG_NAME), write_json)
     return config
 
 
@@ -224,9 +211,28 @@ def read_adapter_config(adapter_dir: str) -> dict:
         raise ValueError(f"load_adapter: {path} not found; is {adapter_dir} a LoRA adapter directory?") from None
     except json.JSONDecodeError as e:
         raise ValueError(f"load_adapter: {path} line {e.lineno} column {e.colno}: {e.msg}") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"load_adapter: {path} cannot be read ({e})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"load_adapter: {path} holds a JSON {type(config).__name__}, not an adapter config object")
     for key in ("r", "lora_alpha", "target_modules"):
         if key not in config:
             raise ValueError(f"load_adapter: {path} has no field {key!r}")
+    number = (int, float)
+    checks = {  # field: (is the value usable, what it must be)
+        "r": (type(config["r"]) is int and config["r"] >= 1, "a positive integer"),
+        "lora_alpha": (type(config["lora_alpha"]) in number and math.isfinite(config["lora_alpha"])
+                       and config["lora_alpha"] > 0, "a positive number"),
+        "lora_dropout": (type(config.get("lora_dropout", 0.0)) in number and 0 <= config.get("lora_dropout", 0.0) < 1,
+                         "a number in [0, 1)"),
+        "target_modules": (isinstance(config["target_modules"], str) or (
+            isinstance(config["target_modules"], list) and config["target_modules"]
+            and all(isinstance(t, str) for t in config["target_modules"])), "a list of module names"),
+        "use_rslora": (isinstance(config.get("use_rslora", False), bool), "true or false"),
+    }
+    for key, (ok, what) in checks.items():
+        if not ok:
+            raise ValueError(f"load_adapter: {path} has {key} {config[key]!r}; it must be {what}")
     if config.get("peft_type", "LORA") != "LORA":
         raise ValueError(f"load_adapter: {path} has peft_type {config['peft_type']!r}; only LORA is supported")
     if config.get("bias", "none") != "none":
@@ -234,6 +240,19 @@ def read_adapter_config(adapter_dir: str) -> dict:
     if config.get("use_dora"):
         raise ValueError(f"load_adapter: {path} is a DoRA adapter; only plain LoRA is supported")
     return config
+
+
+def read_adapter_weights(adapter_dir: str) -> dict[str, torch.Tensor]:
+    """adapter_model.safetensors as {PEFT key: tensor}; a ValueError naming the file when it is
+    missing, truncated or not safetensors at all."""
+    path = os.path.join(adapter_dir, WEIGHTS_NAME)
+    if not os.path.isfile(path):
+        raise ValueError(f"load_adapter: {path} not found")
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"load_adapter: {path} cannot be read as safetensors ({e}); the file is truncated "
+                         f"or corrupted: save or download the adapter again") from None
 
 
 def load_adapter(model: nn.Module, adapter_dir: str, dtype: torch.dtype | None = None) -> dict:
@@ -261,21 +280,17 @@ def load_adapter(model: nn.Module, adapter_dir: str, dtype: torch.dtype | None =
     for name, m in loras.items():
         params[f"{PEFT_PREFIX}{name}.lora_A.weight"] = m.lora_A.weight
         params[f"{PEFT_PREFIX}{name}.lora_B.weight"] = m.lora_B.weight
-    if not os.path.exists(path):
-        raise ValueError(f"load_adapter: {path} not found")
-    with safe_open(path, framework="pt") as f:
-        keys = list(f.keys())
-        for key in keys:
-            if key not in params:
-                raise ValueError(f"load_adapter: {path} key {key!r} matches no LoRA layer of the model "
-                                 f"(expected keys like {next(iter(params))!r})")
-            t = f.get_tensor(key)
-            if t.shape != params[key].shape:
-                raise ValueError(f"load_adapter: {path} key {key!r} has shape {list(t.shape)}, "
-                                 f"the model expects {list(params[key].shape)}")
-            with torch.no_grad():
-                params[key].copy_(t)  # copy_ casts to the LoRA weight's dtype and device
-    missing = sorted(set(params) - set(keys))
+    tensors = read_adapter_weights(adapter_dir)
+    for key, t in tensors.items():
+        if key not in params:
+            raise ValueError(f"load_adapter: {path} key {key!r} matches no LoRA layer of the model "
+                             f"(expected keys like {next(iter(params))!r})")
+        if t.shape != params[key].shape:
+            raise ValueError(f"load_adapter: {path} key {key!r} has shape {list(t.shape)}, "
+                             f"the model expects {list(params[key].shape)}")
+        with torch.no_grad():
+            params[key].copy_(t)  # copy_ casts to the LoRA weight's dtype and device
+    missing = sorted(set(params) - set(tensors))
     if missing:
         raise ValueError(f"load_adapter: {path} lacks {len(missing)} LoRA weights the model has, "
                          f"e.g. {missing[0]!r}")

@@ -96,23 +96,38 @@ class MetricsLog:
 
 
 class Throughput:
-    """Tokens per second and ETA, smoothed over the steps since the last report."""
+    """Tokens per second since the last report, and an ETA from the steady-state steps only.
+
+    The first step pays for warm-up (allocator growth, kernel selection, torch.compile), which can
+    take longer than ten ordinary steps; an ETA that includes it overestimates a short run badly.
+    So the ETA clock starts when the first step is done (the first add()): until a second step has
+    finished there is no steady-state figure and the ETA shows "?".
+    """
 
     def __init__(self, total_steps: int, start_step: int = 0):
         self.total = total_steps
         self.t0 = self.t_last = time.perf_counter()
         self.step_last = self.start = start_step
         self.tokens = 0
+        self.t_steady, self.steady_steps = None, 0
 
     def add(self, tokens: int):
+        """Call once per finished optimizer step."""
         self.tokens += tokens
+        if self.t_steady is None:
+            self.t_steady = time.perf_counter()
+        else:
+            self.steady_steps += 1
 
     def report(self, step: int):
-        """(tokens/s since the last report, seconds per step, ETA in seconds)."""
+        """(tokens/s since the last report, seconds per step since the last report, ETA in seconds)."""
         now = time.perf_counter()
         dt = max(now - self.t_last, 1e-9)
         tok_s = self.tokens / dt
         sec_per_step = dt / max(1, step - self.step_last)
-        eta = sec_per_step * (self.total - step)
+        if self.steady_steps:
+            eta = (now - self.t_steady) / self.steady_steps * (self.total - step)
+        else:
+            eta = 0.0 if step >= self.total else float("inf")  # format_seconds shows inf as "?"
         self.t_last, self.step_last, self.tokens = now, step, 0
         return tok_s, sec_per_step, eta

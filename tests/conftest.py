@@ -3,6 +3,7 @@
 import os
 import shutil
 import sysconfig
+import tempfile
 
 import pytest
 
@@ -12,15 +13,35 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "4",
         "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1"]
 
+def pytest_configure(config):
+    """Point BYHAND_CACHE at a temporary directory for the whole session, before any test module is
+    imported and before any fixture runs: a function-scoped monkeypatch alone came too late for the
+    module- and session-scoped fixtures, whose runs (and torchrun's children, which inherit
+    os.environ) then prepared their data in ~/.cache/byhand."""
+    config._byhand_saved_cache = os.environ.get("BYHAND_CACHE")
+    # The user's real cache, as the scripts would find it without the tests (test_hardening checks it).
+    config._byhand_real_cache = os.environ.get("BYHAND_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "byhand"))
+    config._byhand_cache = tempfile.mkdtemp(prefix="byhand-test-cache-")
+    os.environ["BYHAND_CACHE"] = config._byhand_cache
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_byhand_cache", None):
+        shutil.rmtree(config._byhand_cache, ignore_errors=True)
+        if config._byhand_saved_cache is None:
+            os.environ.pop("BYHAND_CACHE", None)
+        else:
+            os.environ["BYHAND_CACHE"] = config._byhand_saved_cache
+
 
 @pytest.fixture(autouse=True)
-def isolated_cache(tmp_path_factory, monkeypatch):
-    """Prepared shards and hub downloads go to a per-session temp dir, never ~/.cache."""
-    cache = tmp_path_factory.getbasetemp() / "byhand-cache"
-    monkeypatch.setenv("BYHAND_CACHE", str(cache))
+def isolated_cache(request, monkeypatch):
+    """Prepared shards and hub downloads go to the session's temporary cache, never ~/.cache."""
+    cache = request.config._byhand_cache
+    monkeypatch.setenv("BYHAND_CACHE", cache)  # a test that changed it gets it back
     monkeypatch.delenv("HF_ENDPOINT", raising=False)
     monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
-    return str(cache)
+    return cache
 
 
 @pytest.fixture(scope="session")

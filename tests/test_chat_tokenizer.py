@@ -276,3 +276,57 @@ def test_unmerged_vocabulary_entries_ignore_merges_and_eos_kept_in_the_vocab(tin
         assert (300 in ids) == ignore  # transformers' BPE never reaches it unless the word is looked up whole
         assert ids[-1] == 301 and t.eos_token_id == 301 and t.decode(ids) == "a zqzq<|eos|>"
         assert t.decode([300]) == " zqzq" and t.decode(ids, skip_special_tokens=True) == "a zqzq"
+
+
+@pytest.mark.parametrize("name", ["qwen2_5", "llama3_1"])
+def test_prompt_tokens_are_a_prefix_of_the_conversation_tokens(name):
+    """What prompt masking relies on: the tokens of (messages[:-1] + generation prompt) are exactly the
+    first tokens of the whole conversation, so the rest are the assistant's."""
+    tok = ct.load_tokenizer(os.path.join(GOLDEN, "tokenizers", name))
+    for answer in ("Score: 7/10\nFeedback: good.", " leading space", "9"):
+        msgs = [{"role": "user", "content": "Source: chat\nTranslation: cat"}, {"role": "assistant", "content": answer}]
+        prompt = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
+        full = tok.apply_chat_template(msgs, tokenize=True)
+        assert full[:len(prompt)] == prompt
+        assert tok.decode(full[len(prompt):]) == (answer.strip() if name.startswith("llama") else answer) + \
+            ("<|eot_id|>" if name.startswith("llama") else "<|im_end|>\n")
+    # The one exception: an answer that starts with a newline joins the template's own "\n" in one
+    # pre-token under ChatML (as in transformers), so the split point must come from the prompt's length
+    # and the text, not from the tokens alone. Llama 3 trims the content, so it never happens there.
+    msgs[1]["content"] = "\n\nstarts with newlines"
+    prompt = tok.apply_chat_template(msgs[:1], add_generation_prompt=True, tokenize=True)
+    full = tok.apply_chat_template(msgs, tokenize=True)
+    assert (full[:len(prompt)] == prompt) == name.startswith("llama")
+
+
+def test_train_bpe_equals_the_textbook_loop():
+    """The incremental trainer learns the same merges as recounting every pair after every merge."""
+    from collections import Counter
+    texts = TRAIN + ["aaaa abab aaaa ababab la la la land", "\u00e9t\u00e9 \u00e9t\u00e9 caf\u00e9s"]
+    words = Counter()
+    for text in texts:
+        for w in ct._TRAIN_SPLIT.findall(text):
+            words[tuple(bytes([b]) for b in w.encode())] += 1
+    want = []
+    while 256 + len(want) < 330:
+        pairs = Counter()
+        for w, n in words.items():
+            for pair in zip(w, w[1:]):
+                pairs[pair] += n
+        best = min(pairs, key=lambda p: (-pairs[p], p)) if pairs else None
+        if best is None or pairs[best] < 2:
+            break
+        want.append(best)
+        merged = Counter()
+        for w, n in words.items():
+            out, i = [], 0
+            while i < len(w):
+                if w[i:i + 2] == best:
+                    out.append(w[i] + w[i + 1])
+                    i += 2
+                else:
+                    out.append(w[i])
+                    i += 1
+            merged[tuple(out)] += n
+        words = merged
+    assert ct.train_bpe(texts, 330) == want and len(want) > 40

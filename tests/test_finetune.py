@@ -270,7 +270,7 @@ def test_user_mistakes_end_with_one_line(base, lora_run, tmp_path, capsys):
         for fragment in fragments:
             assert fragment in err, err
 
-    expect("lora", ["--adapter", str(tmp_path / "nowhere")], "adapter_config.json not found")
+    expect("lora", ["--adapter", str(tmp_path / "nowhere")], "nowhere: no such directory")
     expect("qlora", ["--lora-targets", "c_attn", "wte"], "--lora-targets wte", "c_fc")
     expect("lora", ["--resume"], "training_state.pt does not exist")
     expect("lora", ["--resume", "--adapter", lora_run[0]], "pass one of them")

@@ -233,10 +233,26 @@ def test_clear_errors_for_wrong_model_files(tmp_path):
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match=r"tensor model.layers.0.mlp.(gate|up|down)_proj.weight has shape"):
         llama.load_pretrained(str(d), log=quiet)
+    del cfg["intermediate_size"]
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(UserError, match="config.json has no integer intermediate_size"):
+        llama.load_pretrained(str(d), log=quiet)
     cfg["intermediate_size"], cfg["num_hidden_layers"] = 64, 3
     (d / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(UserError, match="tensor model.layers.2.* is missing"):
         llama.load_pretrained(str(d), log=quiet)
+
+
+def test_config_errors():
+    base = {"model_type": "llama", "vocab_size": 8, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2}
+    assert llama.config_from_hf(base).num_key_value_heads == 2 and not llama.config_from_hf(base).tie_word_embeddings
+    with pytest.raises(UserError, match="rope scaling llama3 needs numbers for factor, low_freq_factor"):
+        llama.config_from_hf({**base, "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})
+    with pytest.raises(UserError, match="rope_type 'yarn'; supported are default, linear and llama3"):
+        llama.config_from_hf({**base, "rope_scaling": {"type": "yarn", "factor": 4.0}})
+    with pytest.raises(UserError, match="use_sliding_window"):
+        llama.config_from_hf({**base, "model_type": "qwen2", "use_sliding_window": True})
 
 
 def test_hub_id_offline_and_not_a_model(tmp_path, monkeypatch):
@@ -272,24 +288,28 @@ def test_hub_download_of_a_sharded_model_with_optional_files(tmp_path, monkeypat
         monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
         monkeypatch.setenv("HF_TOKEN", "hf_secret")
         local = llama.resolve_model("org/tiny-qwen", str(tmp_path / "cache"), log=quiet)
-        assert sorted(f for f in os.listdir(local) if not f.startswith(".")) == sorted(os.listdir(repo))
+        assert sorted(os.listdir(local)) == sorted(os.listdir(repo))
         assert set(auth) == {"Bearer hf_secret"}
         fetched = [p for c, p in requests if c == "GET"]
         assert "/org/tiny-qwen/resolve/main/model.safetensors" not in fetched  # sharded: the index + shards
-        assert json.load(open(os.path.join(local, ".absent.json"))) == sorted(
-            set(llama.TOKENIZER_FILES) - {"tokenizer.json", "tokenizer_config.json", "generation_config.json"})
         n = len(requests)
         monkeypatch.setenv("HF_HUB_OFFLINE", "1")
         assert llama.resolve_model("org/tiny-qwen", str(tmp_path / "cache"), log=quiet) == local
+        assert len(requests) == n  # offline: the cache only
         monkeypatch.delenv("HF_HUB_OFFLINE")
         llama.resolve_model("org/tiny-qwen", str(tmp_path / "cache"), log=quiet)
-        assert len(requests) == n  # everything known: no request at all
+        assert all(c == "HEAD" for c, _ in requests[n:])  # online again: nothing downloaded twice
         a = llama.load_pretrained(local, log=quiet)
         b = llama.load_pretrained(os.path.join(GOLDEN, "models", "qwen2_untied_sharded"), log=quiet)
         x = torch.tensor([[1, 2, 3]])
         assert torch.equal(a(x), b(x))
         one = llama.resolve_model("org/tiny-llama", str(tmp_path / "cache"), log=quiet)  # single file
-        assert sorted(f for f in os.listdir(one) if not f.startswith(".")) == sorted(os.listdir(single))
+        assert sorted(os.listdir(one)) == sorted(os.listdir(single))
+        bin_only = www / "org" / "old" / "resolve" / "main"
+        bin_only.mkdir(parents=True)
+        shutil.copy(single / "config.json", bin_only)
+        with pytest.raises(UserError, match="org/old has neither model.safetensors nor .*--model tiny"):
+            llama.resolve_model("org/old", str(tmp_path / "cache"), log=quiet)
     finally:
         server.shutdown()
         server.server_close()

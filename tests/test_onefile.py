@@ -159,7 +159,7 @@ def test_user_mistakes_exit_2_with_one_line(case, env, tmp_path, capsys):
         (tmp_path / "m" / "config.json").write_text(json.dumps(config))
         extra = ["--init-from", str(tmp_path / "m")]
     else:  # a well-formed GPT-2 checkpoint with a 1,000-token vocabulary
-        model = onefile_train.GPT(onefile_train.GPTConfig(block_size=32, vocab_size=1000, n_layer=1, n_head=2, n_embd=8))
+        model = onefile_train.GPT(onefile_train.GPTConfig(block_size=32, vocab_size=1000, n_layer=2, n_head=2, n_embd=64))
         opt = onefile_train.make_adamw(model, 1e-3, 0.1, (0.9, 0.95), "cpu")
         onefile_train.save_checkpoint(str(tmp_path / "m"), model, opt, 0, argparse.Namespace())
         extra = ["--init-from", str(tmp_path / "m")]

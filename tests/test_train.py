@@ -141,9 +141,9 @@ def test_user_mistakes_end_with_one_line(tmp_path, text_dir, capsys):
     (not_gpt2 / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64}))
     expect_user_error(capsys, [*TINY, *out, "--data", text_dir, "--init-from", str(not_gpt2)], "not a GPT-2 config")
     expect_user_error(capsys, [*TINY, *out, "--data", text_dir, "--init-from", str(tmp_path / "no_such_dir")],
-                      "neither a directory nor a hub id")
+                      "does not exist")
     small_vocab = tmp_path / "small_vocab"
-    cfg = gpt.GPTConfig(block_size=32, vocab_size=1000, n_layer=1, n_head=2, n_embd=16)
+    cfg = gpt.GPTConfig(block_size=32, vocab_size=1000, n_layer=2, n_head=2, n_embd=64)  # TINY's shape
     checkpoint.save_hf(str(small_vocab), cfg, gpt.to_hf_state_dict(gpt.GPT(cfg)))
     expect_user_error(capsys, [*TINY, *out, "--data", text_dir, "--init-from", str(small_vocab)], "vocabulary mismatch")
     expect_user_error(capsys, [*TINY, *out, "--data", text_dir, "--resume"], "training_state.pt does not exist")
