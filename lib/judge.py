@@ -632,7 +632,8 @@ def _run(args, v: Variant, parser, argv, log) -> dict:
             cfg = llama.config_for_estimate(args.model, args.cache_dir)
         r = args.lora_r or lora_rank_for(count_params(cfg))[0]
         estimate = estimate_for(cfg, r)
-        log(f"{args.model}: {count_params(cfg) / 1e9:.3f}B parameters, LoRA r={r} on {', '.join(LORA_TARGETS)}; "
+        n = count_params(cfg)
+        log(f"{args.model}: {f'{n / 1e9:.3f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters, LoRA r={r} on {', '.join(LORA_TARGETS)}; "
             f"base {v.base}, {v.optimizer}, batch {args.batch_size} x {args.max_seq_length} tokens"
             f"{', gradient checkpointing' if v.checkpointing else ''}, {device.type}")
         log(format_table(estimate))
