@@ -189,7 +189,9 @@ def run(args, parser, argv):
     if args.resume:
         cfg = checkpoint.load_config(args.out_dir)
     elif args.init_from:
-        cfg = checkpoint.load_config(hub.resolve_pretrained(args.init_from, args.cache_dir, ("config.json",), log=log))
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, ("config.json",), log=log))
+        cfg = checkpoint.load_config(model_dir)
         cfg.dropout = args.dropout
         checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
     else:
@@ -229,11 +231,7 @@ def run(args, parser, argv):
 
     # --- data -------------------------------------------------------------------------------------
     # One process per machine tokenises (once, cached); the others wait and then find the cache.
-    if dist_info.local_rank == 0:
-        data_dir = data.prepare(args.data, args.cache_dir, log=log)
-    distributed.barrier(dist_info)
-    if dist_info.local_rank != 0:
-        data_dir = data.prepare(args.data, args.cache_dir, log=log)
+    data_dir = distributed.local_rank_0_first(dist_info, lambda: data.prepare(args.data, args.cache_dir, log=log))
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, dist_info.rank, dist_info.world_size, seed=args.seed)
     # Validation batches are one fixed list, split between ranks inside evaluate().
@@ -253,7 +251,9 @@ def run(args, parser, argv):
             raise UserError(f"{args.out_dir}/{checkpoint.WEIGHTS} holds non-finite weights ({len(bad)} tensors, e.g. "
                             f"{bad[0]}), so it cannot be continued; start again with --overwrite and a lower --lr")
     elif args.init_from:
-        _, state_dict = checkpoint.load_hf(hub.resolve_pretrained(args.init_from, args.cache_dir, log=log))
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, log=log))
+        _, state_dict = checkpoint.load_hf(model_dir)
     raw_model = gpt.GPT(cfg)
     if state_dict is not None:
         raw_model.load_state_dict(state_dict)

@@ -456,7 +456,9 @@ def run(args, parser, argv):
     if latest is not None:
         cfg = gpt.GPTConfig(**latest["config"])
     elif args.init_from:
-        cfg = checkpoint.load_config(hub.resolve_pretrained(args.init_from, args.cache_dir, ("config.json",), log=log))
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, ("config.json",), log=log))  # one download per machine
+        cfg = checkpoint.load_config(model_dir)
         cfg.dropout = args.dropout
         checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
     else:
@@ -526,7 +528,9 @@ def run(args, parser, argv):
     # Allocate only this rank's shards (uninitialised), on the GPU, or in host RAM under --cpu-offload.
     model.to_empty(device="cpu" if args.cpu_offload else device)
     if latest is None and args.init_from:
-        load_pretrained_shards(model, cfg, hub.resolve_pretrained(args.init_from, args.cache_dir, log=log))
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, log=log))
+        load_pretrained_shards(model, cfg, model_dir)
     elif latest is None:
         init_like_train_py(model, cfg)
     params_per_rank = [None] * world
