@@ -157,6 +157,7 @@ def check_args(args):
         raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    pick_device(args.device)  # a --device that is not here fails now, not after other checks
     # A fresh run never replaces a saved one unless asked to.
     found = [n for n in ("model.safetensors", "training_state.pt") if os.path.isfile(os.path.join(args.out_dir, n))]
     if found and not (args.resume or args.overwrite or args.estimate_memory):

@@ -127,6 +127,7 @@ def check_args(args):
         raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
     if not args.estimate_memory:
         guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
 

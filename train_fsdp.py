@@ -161,6 +161,7 @@ def check_args(args):
                         "leaves out; use --dtype bf16 on a GPU that has it, or fp32")
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
     if not args.estimate_memory:
         guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite,
                                 names=(*guards.CHECKPOINT_FILES, os.path.join(SHARDED, LATEST)))
