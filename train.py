@@ -94,7 +94,8 @@ def make_parser():
 
 # --resume continues the saved run. These flags would change what that run is (the model, the data, the
 # windows a step reads, so that resuming would no longer be exact): given explicitly they must match it,
-# and when not given the saved values are used. The others may change and are reported when they do.
+# and when not given the saved values are used. The others may change: given, they are reported as changed;
+# not given, they keep the saved run's values (except --device: the machine may be another one).
 RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
                 "batch_size", "grad_accum")
 RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
@@ -169,6 +170,10 @@ def run(args, parser, argv):
         train_state = checkpoint.load_training_state(args.out_dir)
         saved_args = json.loads(train_state.get("args", "{}"))
         main_rank = int(os.environ.get("RANK", 0)) == 0  # torchrun's ranks all check; one of them reports
+        given = guards.explicit_flags(args, parser, argv)
+        for key in RESUME_CHANGEABLE:  # not given: as the saved run had it (the device is this machine's)
+            if key not in given and key in saved_args and key != "device":
+                setattr(args, key, saved_args[key])
         guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
                                   log=print if main_rank else (lambda *a: None), argv=argv)
         for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
@@ -278,7 +283,8 @@ def run(args, parser, argv):
         start_step, first_val = train_state["step"], train_state.get("first_val_loss")
         if args.steps < start_step:
             raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --steps {start_step} or more")
-        log(f"resuming from step {start_step} in {args.out_dir}")
+        log(f"resuming from step {start_step} in {args.out_dir}" + ("" if args.steps > start_step else
+            f"; it already ran its --steps {args.steps}, pass a larger --steps to train further"))
 
     # --- training loop ----------------------------------------------------------------------------
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")

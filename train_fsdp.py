@@ -133,7 +133,8 @@ def make_parser():
 
 
 # --resume continues the saved run: these flags would change what it is (model, data, the windows a step
-# reads), so given explicitly they must match it, and unset they take the saved values. The rest may change.
+# reads), so given explicitly they must match it, and unset they take the saved values. The rest may change:
+# given, they are reported; unset, they keep the saved values (except --device: it may be another machine).
 RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
                 "batch_size", "grad_accum")
 RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
@@ -430,6 +431,10 @@ def run(args, parser, argv):
     latest = read_latest(args.out_dir) if args.resume else None
     if latest is not None:
         saved_args = latest.get("args", {})
+        given = guards.explicit_flags(args, parser, argv)
+        for key in RESUME_CHANGEABLE:  # not given: as the saved run had it (the device is this machine's)
+            if key not in given and key in saved_args and key != "device":
+                setattr(args, key, saved_args[key])
         guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
                                   log=print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None), argv=argv)
         for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
@@ -548,7 +553,8 @@ def run(args, parser, argv):
         load_sharded(args.out_dir, model, optimizer, latest)
         start_step, first_val = latest["step"], latest.get("first_val_loss")
         check_finite_shards(model, start_step, None, args.out_dir)
-        log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)")
+        log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)" +
+            ("" if args.steps > start_step else f"; it already ran its --steps {args.steps}, pass a larger --steps"))
     _, text = memory_report("at start", held_bytes(model, optimizer), device)
     log(text)
 
