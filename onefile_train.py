@@ -132,6 +132,14 @@ def make_parser():
 # --- guards: check before spending (train.py has the same rules in lib/guards.py) ----------------
 def check_args(args):
     """Flags and paths that can be checked before any work: one line and exit 2, never a traceback."""
+    if args.min_lr_ratio > 1:
+        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
+                        f"use a value from 0 to 1")
+    if args.seed >= 2**32:
+        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    pick_device(args.device)  # a --device that is not here fails now, not after other checks
     for flag, path, create in (("--out-dir", args.out_dir, not args.estimate_memory),
                                ("--cache-dir", args.cache_dir, not args.estimate_memory
                                 and not os.path.isfile(os.path.join(args.data, "meta.json")))):
@@ -150,14 +158,6 @@ def check_args(args):
                     pass
         except OSError as e:
             raise UserError(f"{flag} {path} cannot be written ({e.strerror}); pick a directory you can write to") from None
-    if args.min_lr_ratio > 1:
-        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
-                        f"use a value from 0 to 1")
-    if args.seed >= 2**32:
-        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
-    if args.resume and args.overwrite:
-        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
-    pick_device(args.device)  # a --device that is not here fails now, not after other checks
     # A fresh run never replaces a saved one unless asked to.
     found = [n for n in ("model.safetensors", "training_state.pt") if os.path.isfile(os.path.join(args.out_dir, n))]
     if found and not (args.resume or args.overwrite or args.estimate_memory):

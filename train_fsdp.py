@@ -146,12 +146,6 @@ MAX_SKIPPED = 10  # consecutive updates skipped for a non-finite gradient before
 
 def check_args(args):
     """Everything about the flags and paths that can be checked before any work starts."""
-    guards.check_output_dir(args.out_dir)
-    guards.check_cache_dir(args.cache_dir)
-    if not args.estimate_memory:  # a run writes both; find out now whether it can
-        guards.make_output_dir(args.out_dir)
-        if args.init_from or not data.is_prepared(args.data):
-            guards.make_output_dir(args.cache_dir, "--cache-dir")
     if args.min_lr_ratio > 1:
         raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
                         f"use a value from 0 to 1")
@@ -163,7 +157,12 @@ def check_args(args):
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
     devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
-    if not args.estimate_memory:
+    guards.check_output_dir(args.out_dir)
+    guards.check_cache_dir(args.cache_dir)
+    if not args.estimate_memory:  # a run writes both; find out now whether it can
+        guards.make_output_dir(args.out_dir)
+        if args.init_from or not data.is_prepared(args.data):
+            guards.make_output_dir(args.cache_dir, "--cache-dir")
         guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite,
                                 names=(*guards.CHECKPOINT_FILES, os.path.join(SHARDED, LATEST)))
 
