@@ -38,7 +38,7 @@ SCRIPT = "judge_train_cuda"
 def build_parser():
     p = argparse.ArgumentParser(description="Fine-tune a QLoRA translation judge (NF4 base, mixed precision, "
                                 "8-bit AdamW, gradient checkpointing) on an NVIDIA GPU.",
-                                formatter_class=judge.HelpFormatter)
+                                formatter_class=guards.HelpFormatter)
     judge.add_arguments(p, SCRIPT, model="Qwen/Qwen2.5-3B-Instruct", lr=2e-4, batch_size=2, accumulation=2)
     g = p.add_argument_group("CUDA recipe")
     g.add_argument("--no_4bit", "--no-4bit", action="store_true",

@@ -33,7 +33,7 @@ import sys
 import torch
 
 from lib import device as devices
-from lib import judge
+from lib import guards, judge
 from lib.errors import UserError, report_and_exit
 
 SCRIPT = "judge_train_mps"
@@ -42,7 +42,7 @@ SCRIPT = "judge_train_mps"
 # --- arguments ------------------------------------------------------------------------------------
 def build_parser():
     p = argparse.ArgumentParser(description="Fine-tune a LoRA translation judge on an fp32 base (Apple MPS or CPU).",
-                                formatter_class=judge.HelpFormatter)
+                                formatter_class=guards.HelpFormatter)
     judge.add_arguments(p, SCRIPT, model="Qwen/Qwen2-1.5B-Instruct", lr=1e-4, batch_size=1, accumulation=2)
     return p
 

@@ -77,9 +77,16 @@ positive_float, nonneg_float = number(float, lambda v: v > 0, "greater than 0"),
 probability = number(float, lambda v: 0 <= v < 1, "at least 0 and below 1")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each default shown once: none for a flag without one (its help says what happens) or a switch."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.nargs == 0 else super()._get_help_string(action)
+
+
 def make_parser():
     p = argparse.ArgumentParser(description="Pretrain GPT-2 from scratch in one file (train.py: the same with lib/).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of them, prepared shards, or 'stdlib'")
     g.add_argument("--cache-dir", default=os.environ.get("BYHAND_CACHE", os.path.expanduser("~/.cache/byhand")),

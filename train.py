@@ -36,7 +36,7 @@ from lib.errors import UserError, report_and_exit
 def make_parser():
     p = argparse.ArgumentParser(
         description="Pretrain GPT-2 from scratch with lib/ (see onefile_train.py for the one-file version).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "

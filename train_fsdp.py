@@ -59,7 +59,7 @@ def make_parser():
     p = argparse.ArgumentParser(
         description="Pretrain GPT-2 with FSDP2 (fully_shard): parameters, gradients and AdamW state sharded "
                     "across the ranks torchrun starts. Plain `python train_fsdp.py` runs one rank.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "

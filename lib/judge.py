@@ -18,7 +18,6 @@ deterministically from a seed (data/make_judge_set.py writes it out as judge_tra
 the --data_dir format).
 """
 
-import argparse
 import json
 import math
 import os
@@ -484,13 +483,6 @@ def validation_loss(model, encoded: list, batch_size: int, pad_id: int, device, 
 
 
 # --- the flags both scripts take ------------------------------------------------------------------
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """argparse's "(default: X)", except where the help already says the default (the per-model ones)."""
-
-    def _get_help_string(self, action):
-        return action.help if "(default" in (action.help or "") else super()._get_help_string(action)
-
-
 def add_arguments(p, script: str, model: str, lr: float, batch_size: int, accumulation: int):
     """The original scripts' snake_case flags, with the repository's kebab-case names as aliases."""
     from lib import guards
