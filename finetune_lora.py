@@ -29,7 +29,7 @@ from lib.errors import UserError, report_and_exit
 def make_parser():
     p = argparse.ArgumentParser(
         description="Fine-tune GPT-2 with LoRA adapters on a frozen base (PEFT-layout adapters, optional merge).",
-        formatter_class=finetune.HelpFormatter,
+        formatter_class=guards.HelpFormatter,
     )
     finetune.add_arguments(p, out_dir="out/finetune_lora", dtype_help=(
         "autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS. Under 16-bit "

@@ -55,7 +55,7 @@ def pick_cpu_dtype(model, x, y):
 def make_parser():
     p = argparse.ArgumentParser(
         description="Fine-tune GPT-2 with QLoRA: NF4 base, LoRA adapters (PEFT layout, shared with finetune_lora.py).",
-        formatter_class=finetune.HelpFormatter,
+        formatter_class=guards.HelpFormatter,
     )
     finetune.add_arguments(p, out_dir="out/finetune_qlora", dtype_help=(
         "compute dtype: NF4 weights are dequantised to it and autocast runs in it; auto = bf16 on CUDA (fp16 + "

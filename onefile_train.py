@@ -77,9 +77,16 @@ positive_float, nonneg_float = number(float, lambda v: v > 0, "greater than 0"),
 probability = number(float, lambda v: 0 <= v < 1, "at least 0 and below 1")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Each default shown once: none for a flag without one (its help says what happens) or a switch."""
+
+    def _get_help_string(self, action):
+        return action.help if action.default is None or action.nargs == 0 else super()._get_help_string(action)
+
+
 def make_parser():
     p = argparse.ArgumentParser(description="Pretrain GPT-2 from scratch in one file (train.py: the same with lib/).",
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                                formatter_class=HelpFormatter)
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of them, prepared shards, or 'stdlib'")
     g.add_argument("--cache-dir", default=os.environ.get("BYHAND_CACHE", os.path.expanduser("~/.cache/byhand")),
@@ -132,6 +139,14 @@ def make_parser():
 # --- guards: check before spending (train.py has the same rules in lib/guards.py) ----------------
 def check_args(args):
     """Flags and paths that can be checked before any work: one line and exit 2, never a traceback."""
+    if args.min_lr_ratio > 1:
+        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
+                        f"use a value from 0 to 1")
+    if args.seed >= 2**32:
+        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    pick_device(args.device)  # a --device that is not here fails now, not after other checks
     for flag, path, create in (("--out-dir", args.out_dir, not args.estimate_memory),
                                ("--cache-dir", args.cache_dir, not args.estimate_memory
                                 and not os.path.isfile(os.path.join(args.data, "meta.json")))):
@@ -150,13 +165,6 @@ def check_args(args):
                     pass
         except OSError as e:
             raise UserError(f"{flag} {path} cannot be written ({e.strerror}); pick a directory you can write to") from None
-    if args.min_lr_ratio > 1:
-        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
-                        f"use a value from 0 to 1")
-    if args.seed >= 2**32:
-        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
-    if args.resume and args.overwrite:
-        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
     # A fresh run never replaces a saved one unless asked to.
     found = [n for n in ("model.safetensors", "training_state.pt") if os.path.isfile(os.path.join(args.out_dir, n))]
     if found and not (args.resume or args.overwrite or args.estimate_memory):
@@ -165,7 +173,8 @@ def check_args(args):
 
 
 # --resume continues the saved run: these flags would change what it is (model, data, the windows a step
-# reads), so given explicitly they must match, and unset they take the saved values. The others may change.
+# reads), so given explicitly they must match, and unset they take the saved values. The others may change:
+# given, they are reported; unset, they keep the saved values (except --device: it may be another machine).
 RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
                 "batch_size", "grad_accum")
 RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
@@ -184,6 +193,8 @@ def check_resume_flags(saved, args, parser, argv, log):
         if key in saved:
             setattr(args, key, saved[key])
     for key in RESUME_CHANGEABLE:
+        if key not in given and key in saved and key != "device":  # not given: as the saved run had it
+            setattr(args, key, saved[key])
         if key in saved and getattr(args, key) != saved[key]:
             log(f"--resume: {'--' + key.replace('_', '-')} changed from {saved[key]} to {getattr(args, key)}")
 
@@ -751,7 +762,8 @@ def run(args, parser, argv):
         if train_state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(train_state["rng_cuda"])
         start_step, first_val = train_state["step"], train_state.get("first_val_loss")
-        log(f"resuming from step {start_step} in {args.out_dir}")
+        log(f"resuming from step {start_step} in {args.out_dir}" + ("" if args.steps > start_step else
+            f"; it already ran its --steps {args.steps}, pass a larger --steps to train further"))
 
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
     if rank == 0 and not args.resume and os.path.isfile(metrics_path):

@@ -36,7 +36,7 @@ from lib.errors import UserError, report_and_exit
 def make_parser():
     p = argparse.ArgumentParser(
         description="Pretrain GPT-2 from scratch with lib/ (see onefile_train.py for the one-file version).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
@@ -94,7 +94,8 @@ def make_parser():
 
 # --resume continues the saved run. These flags would change what that run is (the model, the data, the
 # windows a step reads, so that resuming would no longer be exact): given explicitly they must match it,
-# and when not given the saved values are used. The others may change and are reported when they do.
+# and when not given the saved values are used. The others may change: given, they are reported as changed;
+# not given, they keep the saved run's values (except --device: the machine may be another one).
 RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
                 "batch_size", "grad_accum")
 RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
@@ -114,12 +115,6 @@ def main(argv=None):
 
 def check_args(args):
     """Everything about the flags and paths that can be checked before any work starts."""
-    guards.check_output_dir(args.out_dir)
-    guards.check_cache_dir(args.cache_dir)
-    if not args.estimate_memory:  # a run writes both; find out now whether it can
-        guards.make_output_dir(args.out_dir)
-        if args.init_from or not data.is_prepared(args.data):
-            guards.make_output_dir(args.cache_dir, "--cache-dir")
     if args.min_lr_ratio > 1:
         raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
                         f"use a value from 0 to 1")
@@ -127,7 +122,13 @@ def check_args(args):
         raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
-    if not args.estimate_memory:
+    devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
+    guards.check_output_dir(args.out_dir)
+    guards.check_cache_dir(args.cache_dir)
+    if not args.estimate_memory:  # a run writes both; find out now whether it can
+        guards.make_output_dir(args.out_dir)
+        if args.init_from or not data.is_prepared(args.data):
+            guards.make_output_dir(args.cache_dir, "--cache-dir")
         guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
 
 
@@ -168,6 +169,10 @@ def run(args, parser, argv):
         train_state = checkpoint.load_training_state(args.out_dir)
         saved_args = json.loads(train_state.get("args", "{}"))
         main_rank = int(os.environ.get("RANK", 0)) == 0  # torchrun's ranks all check; one of them reports
+        given = guards.explicit_flags(args, parser, argv)
+        for key in RESUME_CHANGEABLE:  # not given: as the saved run had it (the device is this machine's)
+            if key not in given and key in saved_args and key != "device":
+                setattr(args, key, saved_args[key])
         guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
                                   log=print if main_rank else (lambda *a: None), argv=argv)
         for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
@@ -189,7 +194,9 @@ def run(args, parser, argv):
     if args.resume:
         cfg = checkpoint.load_config(args.out_dir)
     elif args.init_from:
-        cfg = checkpoint.load_config(hub.resolve_pretrained(args.init_from, args.cache_dir, ("config.json",), log=log))
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, ("config.json",), log=log))
+        cfg = checkpoint.load_config(model_dir)
         cfg.dropout = args.dropout
         checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
     else:
@@ -229,11 +236,7 @@ def run(args, parser, argv):
 
     # --- data -------------------------------------------------------------------------------------
     # One process per machine tokenises (once, cached); the others wait and then find the cache.
-    if dist_info.local_rank == 0:
-        data_dir = data.prepare(args.data, args.cache_dir, log=log)
-    distributed.barrier(dist_info)
-    if dist_info.local_rank != 0:
-        data_dir = data.prepare(args.data, args.cache_dir, log=log)
+    data_dir = distributed.local_rank_0_first(dist_info, lambda: data.prepare(args.data, args.cache_dir, log=log))
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, dist_info.rank, dist_info.world_size, seed=args.seed)
     # Validation batches are one fixed list, split between ranks inside evaluate().
@@ -253,7 +256,9 @@ def run(args, parser, argv):
             raise UserError(f"{args.out_dir}/{checkpoint.WEIGHTS} holds non-finite weights ({len(bad)} tensors, e.g. "
                             f"{bad[0]}), so it cannot be continued; start again with --overwrite and a lower --lr")
     elif args.init_from:
-        _, state_dict = checkpoint.load_hf(hub.resolve_pretrained(args.init_from, args.cache_dir, log=log))
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, log=log))
+        _, state_dict = checkpoint.load_hf(model_dir)
     raw_model = gpt.GPT(cfg)
     if state_dict is not None:
         raw_model.load_state_dict(state_dict)
@@ -277,7 +282,8 @@ def run(args, parser, argv):
         start_step, first_val = train_state["step"], train_state.get("first_val_loss")
         if args.steps < start_step:
             raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --steps {start_step} or more")
-        log(f"resuming from step {start_step} in {args.out_dir}")
+        log(f"resuming from step {start_step} in {args.out_dir}" + ("" if args.steps > start_step else
+            f"; it already ran its --steps {args.steps}, pass a larger --steps to train further"))
 
     # --- training loop ----------------------------------------------------------------------------
     metrics_path = os.path.join(args.out_dir, "metrics.jsonl")

@@ -59,7 +59,7 @@ def make_parser():
     p = argparse.ArgumentParser(
         description="Pretrain GPT-2 with FSDP2 (fully_shard): parameters, gradients and AdamW state sharded "
                     "across the ranks torchrun starts. Plain `python train_fsdp.py` runs one rank.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
     g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
@@ -133,7 +133,8 @@ def make_parser():
 
 
 # --resume continues the saved run: these flags would change what it is (model, data, the windows a step
-# reads), so given explicitly they must match it, and unset they take the saved values. The rest may change.
+# reads), so given explicitly they must match it, and unset they take the saved values. The rest may change:
+# given, they are reported; unset, they keep the saved values (except --device: it may be another machine).
 RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
                 "batch_size", "grad_accum")
 RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
@@ -145,12 +146,6 @@ MAX_SKIPPED = 10  # consecutive updates skipped for a non-finite gradient before
 
 def check_args(args):
     """Everything about the flags and paths that can be checked before any work starts."""
-    guards.check_output_dir(args.out_dir)
-    guards.check_cache_dir(args.cache_dir)
-    if not args.estimate_memory:  # a run writes both; find out now whether it can
-        guards.make_output_dir(args.out_dir)
-        if args.init_from or not data.is_prepared(args.data):
-            guards.make_output_dir(args.cache_dir, "--cache-dir")
     if args.min_lr_ratio > 1:
         raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
                         f"use a value from 0 to 1")
@@ -161,7 +156,13 @@ def check_args(args):
                         "leaves out; use --dtype bf16 on a GPU that has it, or fp32")
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
-    if not args.estimate_memory:
+    devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
+    guards.check_output_dir(args.out_dir)
+    guards.check_cache_dir(args.cache_dir)
+    if not args.estimate_memory:  # a run writes both; find out now whether it can
+        guards.make_output_dir(args.out_dir)
+        if args.init_from or not data.is_prepared(args.data):
+            guards.make_output_dir(args.cache_dir, "--cache-dir")
         guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite,
                                 names=(*guards.CHECKPOINT_FILES, os.path.join(SHARDED, LATEST)))
 
@@ -429,6 +430,10 @@ def run(args, parser, argv):
     latest = read_latest(args.out_dir) if args.resume else None
     if latest is not None:
         saved_args = latest.get("args", {})
+        given = guards.explicit_flags(args, parser, argv)
+        for key in RESUME_CHANGEABLE:  # not given: as the saved run had it (the device is this machine's)
+            if key not in given and key in saved_args and key != "device":
+                setattr(args, key, saved_args[key])
         guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
                                   log=print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None), argv=argv)
         for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
@@ -456,7 +461,9 @@ def run(args, parser, argv):
     if latest is not None:
         cfg = gpt.GPTConfig(**latest["config"])
     elif args.init_from:
-        cfg = checkpoint.load_config(hub.resolve_pretrained(args.init_from, args.cache_dir, ("config.json",), log=log))
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, ("config.json",), log=log))  # one download per machine
+        cfg = checkpoint.load_config(model_dir)
         cfg.dropout = args.dropout
         checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
     else:
@@ -526,7 +533,9 @@ def run(args, parser, argv):
     # Allocate only this rank's shards (uninitialised), on the GPU, or in host RAM under --cpu-offload.
     model.to_empty(device="cpu" if args.cpu_offload else device)
     if latest is None and args.init_from:
-        load_pretrained_shards(model, cfg, hub.resolve_pretrained(args.init_from, args.cache_dir, log=log))
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, log=log))
+        load_pretrained_shards(model, cfg, model_dir)
     elif latest is None:
         init_like_train_py(model, cfg)
     params_per_rank = [None] * world
@@ -543,7 +552,8 @@ def run(args, parser, argv):
         load_sharded(args.out_dir, model, optimizer, latest)
         start_step, first_val = latest["step"], latest.get("first_val_loss")
         check_finite_shards(model, start_step, None, args.out_dir)
-        log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)")
+        log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)" +
+            ("" if args.steps > start_step else f"; it already ran its --steps {args.steps}, pass a larger --steps"))
     _, text = memory_report("at start", held_bytes(model, optimizer), device)
     log(text)
 

@@ -68,7 +68,7 @@ STDLIB_TRAIN, STDLIB_VAL, STDLIB_MAX_LINES, STDLIB_VAL_PERCENT = 1600, 400, 24, 
 def build_parser(description=None, out_dir=OUT_DIR):
     p = argparse.ArgumentParser(
         description=description or "Train a SPLADE sparse retriever (BERT masked-LM + FLOPS), or search with one.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=guards.HelpFormatter,
         conflict_handler="resolve",  # train_splade_optimized.py redefines --grad-accum
     )
     g = p.add_argument_group("data")

@@ -56,7 +56,7 @@ def build_parser():
     p = argparse.ArgumentParser(
         description="WPO-SGM score-model training with exact memory strategies (single_gpu, chunked, "
                     "model_parallel, gradient_accumulation, auto).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
     g.add_argument("--data", default="8gaussians", choices=TOY_DATA + ["cifar10"],

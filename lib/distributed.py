@@ -101,3 +101,14 @@ def exit_interrupted():
     exit status 1, whatever the workers do (the README says so)."""
     sys.stdout.flush()
     sys.exit(130)
+
+
+def local_rank_0_first(info: DistInfo, fn):
+    """fn() on one process per machine first (a download or a tokenisation, cached on disk), then on the
+    others, which find the cache: two processes writing the same cache file would tear it."""
+    if info.local_rank == 0:
+        result = fn()
+    barrier(info)
+    if info.local_rank != 0:
+        result = fn()
+    return result

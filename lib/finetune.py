@@ -33,16 +33,6 @@ LORA_DEFAULTS = dict(r=8, alpha=16, dropout=0.0, targets=["c_attn"], rslora=Fals
 
 
 # --- arguments ------------------------------------------------------------------------------------
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """--help with each flag's default shown once: a flag without a default (None) or a switch says in
-    its own help what happens when it is not given, so "(default: None)" would only contradict that."""
-
-    def _get_help_string(self, action):
-        if action.default is None or action.nargs == 0:
-            return action.help
-        return super()._get_help_string(action)
-
-
 def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
     """The flags both fine-tuning scripts take; train.py's names wherever the meaning is the same.
     Every number has a checked type (lib/guards), so a nonsense value ends at parse time."""

@@ -45,6 +45,17 @@ finite_float = _number(float, lambda v: True, "finite")
 probability = _number(float, lambda v: 0 <= v < 1, "at least 0 and below 1")
 
 
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """--help with each flag's default shown once: argparse's "(default: X)", except for a flag whose
+    default is None or a switch (its help says what happens when it is not given) and a flag whose
+    help already names its default."""
+
+    def _get_help_string(self, action):
+        if action.default is None or action.nargs == 0 or "(default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def add_safety_flags(parser):
     parser.add_argument("--overwrite", action="store_true",
                         help="start a fresh run even if --out-dir already holds a saved one (it is replaced)")

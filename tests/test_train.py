@@ -162,7 +162,13 @@ def test_nan_loss_stops_names_the_step_and_keeps_the_last_checkpoint(tmp_path, t
     calls = []
     monkeypatch.setattr(gpt.GPT, "forward", nan_after_two_steps)
     expect_user_error(capsys, [*TINY, "--data", text_dir, "--out-dir", str(tmp_path), "--steps", "8", "--resume",
-                               "--eval-interval", "100"], "loss became nan at step 6")  # steps 4, 5 fine
+                               "--eval-interval", "100", "--save-interval", "100"],
+                      "loss became nan at step 6")  # steps 4, 5 fine
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        train.main([*TINY, "--data", text_dir, "--out-dir", str(tmp_path), "--steps", "8", "--resume",
+                    "--save-interval", "100"])
+    assert f"the last finite checkpoint is step 4 in {tmp_path}" in capsys.readouterr().err
     after = load_file(tmp_path / "model.safetensors")
     assert all(torch.equal(saved[k], after[k]) for k in saved)  # the last good checkpoint is untouched
 

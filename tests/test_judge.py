@@ -1,0 +1,319 @@
+"""The judge scripts: metrics against hand-computed values, prompt masking, data errors, the embedded
+set, the memory estimate, and both scripts end to end on --model tiny (CPU)."""
+
+import json
+import math
+import os
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from lib import judge
+from lib.errors import UserError
+
+
+# --- metrics, by hand -----------------------------------------------------------------------------
+def test_parse_score_and_feedback():
+    assert judge.parse_score("Score: 8/10\nFeedback: fine") == 8.0
+    assert judge.parse_score("score:7.5 / 10") == 7.5
+    assert judge.parse_score("I give it 8 out of 10") is None
+    assert judge.parse_score("Score: 8") is None
+    assert judge.parse_feedback("Score: 3/10\nFeedback:  Wrong words: gato.\n") == "Wrong words: gato."
+    assert judge.parse_feedback("no marker here ") == "no marker here"
+
+
+def test_score_metrics_hand_computed():
+    pred, ref = [8, 6, 10, 3], [7, 6, 8, 5]
+    # |errors| = 1, 0, 2, 2 -> MAE 5/4; squares 1, 0, 4, 4 -> RMSE sqrt(9/4) = 1.5
+    assert judge.mae(pred, ref) == 1.25
+    assert judge.rmse(pred, ref) == 1.5
+    # Pearson: pred mean 6.75, ref mean 6.5; dx = 1.25 -0.75 3.25 -3.75; dy = .5 -.5 1.5 -1.5
+    # sum dxdy = .625 + .375 + 4.875 + 5.625 = 11.5; sum dx^2 = 1.5625+.5625+10.5625+14.0625 = 26.75; sum dy^2 = 5
+    assert judge.pearson_r(pred, ref) == pytest.approx(11.5 / math.sqrt(26.75 * 5))
+    assert math.isnan(judge.pearson_r([5, 5, 5], [1, 2, 3]))
+
+
+def test_cohen_kappa_hand_computed():
+    # 2x2 table: pred/ref agree on 1,1 and 2,2 twice each, disagree once each way (n = 6)
+    pred = [1, 1, 2, 2, 1, 2]
+    ref = [1, 1, 2, 2, 2, 1]
+    # p_obs = 4/6; P(pred=1) = P(ref=1) = 1/2 -> p_chance = 1/2; kappa = (2/3 - 1/2) / (1/2) = 1/3
+    assert judge.cohen_kappa(pred, ref) == pytest.approx(1 / 3)
+    assert judge.cohen_kappa([3, 4, 5], [3, 4, 5]) == 1.0
+    assert judge.cohen_kappa([7.4, 7.6], [7, 8]) == 1.0  # rounded first: 7, 8
+    # all one label on both sides: total agreement
+    assert judge.cohen_kappa([5, 5], [5, 5]) == 1.0
+    # pred constant 5, ref 5 and 6: p_obs 1/2, p_chance = 1 * 1/2 -> 0
+    assert judge.cohen_kappa([5, 5], [5, 6]) == 0.0
+
+
+def test_rouge_l_hand_computed():
+    # LCS("wrong words gato mesa", "wrong words gato casa") = 3 words; P = R = 3/4 -> F1 3/4
+    assert judge.rouge_l_f1("Wrong words: gato, mesa.", "Wrong words: gato, casa.") == pytest.approx(0.75)
+    # pred 2 words, ref 4, LCS 2 ("a c"): P 1, R 1/2 -> F1 2/3
+    assert judge.rouge_l_f1("a c", "a b c d") == pytest.approx(2 / 3)
+    # order matters: "c a" vs "a b c d": LCS 1 -> P 1/2, R 1/4 -> F1 1/3
+    assert judge.rouge_l_f1("c a", "a b c d") == pytest.approx(1 / 3)
+    assert judge.rouge_l_f1("", "a") == 0.0 and judge.rouge_l_f1("x y", "a b") == 0.0
+
+
+def test_judge_metrics_counts_unparseable():
+    preds = ["Score: 8/10\nFeedback: a b", "no idea", "Score: 4/10\nFeedback: c"]
+    refs = ["Score: 7/10\nFeedback: a b", "Score: 5/10\nFeedback: x", "Score: 4/10\nFeedback: d"]
+    m = judge.judge_metrics(preds, refs)
+    assert m["n"] == 3 and m["n_scored"] == 2 and m["unparseable"] == 1
+    assert m["mae"] == 0.5 and m["rmse"] == pytest.approx(math.sqrt(0.5))
+    assert m["rouge_l_f1"] == pytest.approx(0.5)  # 1.0 and 0.0
+    none = judge.judge_metrics(["?"], ["Score: 1/10"])
+    assert none["mae"] is None and none["unparseable"] == 1
+    assert judge.constant_predictor_mae(["Score: 2/10", "Score: 4/10", "Score: 9/10"], ["Score: 4/10", "Score: 8/10"]) == 2.0
+
+
+# --- the embedded set -----------------------------------------------------------------------------
+def test_embedded_set_is_deterministic_and_right():
+    a, b = judge.embedded_judge_set(0), judge.embedded_judge_set(0)
+    assert a == b and {k: len(v) for k, v in a.items()} == judge.SPLIT_SIZES
+    for ex in a["test"][:50]:
+        user, answer = ex["messages"][0]["content"], ex["messages"][1]["content"]
+        lines = dict(line.split(": ", 1) for line in user.split("\n")[1:])
+        cand, ref = lines["Translation"].split(), lines["Reference"].split()
+        wrong = [c for c, r in zip(cand, ref) if c != r]
+        assert judge.parse_score(answer) == 10 - len(wrong)
+        if wrong:
+            assert judge.parse_feedback(answer) == "Untranslated: " + ", ".join(wrong) + "."
+            assert all(w in lines["Source"].split() for w in wrong)
+    scores = [judge.parse_score(e["messages"][1]["content"]) for e in a["train"]]
+    assert set(scores) == set(range(11))
+
+
+# --- --data_dir errors ------------------------------------------------------------------------------
+def _write(d, split, obj):
+    path = os.path.join(d, f"judge_{split}.json")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(obj if isinstance(obj, str) else json.dumps(obj))
+    return path
+
+
+GOOD = [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "Score: 5/10"}], "id": 3}]
+
+
+@pytest.mark.parametrize("content, needle", [
+    ('[{"messages": [', "line 1 column"),
+    ({"messages": []}, "top level must be a non-empty list"),
+    ([{"msgs": []}], "record 0 has no field 'messages'"),
+    ([GOOD[0], {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": 5}]}],
+     "record 1: field messages[1].content must be a string"),
+    ([{"messages": [{"role": "user", "content": "q"}, {"role": "bot", "content": "a"}]}], "messages[1].role is 'bot'"),
+    ([{"messages": [{"role": "assistant", "content": "q"}, {"role": "user", "content": "a"}]}],
+     "messages[1].role must be 'assistant'"),
+])
+def test_data_errors_name_file_record_field(tmp_path, content, needle):
+    for split in ("train", "val", "test"):
+        _write(tmp_path, split, GOOD)
+    path = _write(tmp_path, "val", content)
+    with pytest.raises(UserError) as e:
+        judge.load_judge_data(str(tmp_path))
+    assert needle in str(e.value) and path in str(e.value)
+
+
+def test_data_dir_reads_and_ignores_extra_keys(tmp_path):
+    for split in ("train", "val", "test"):
+        _write(tmp_path, split, GOOD)
+    data = judge.load_judge_data(str(tmp_path))
+    assert data["train"] == [GOOD[0]["messages"]]
+    with pytest.raises(UserError, match="judge_test.json does not exist"):
+        os.remove(tmp_path / "judge_test.json")
+        judge.load_judge_data(str(tmp_path))
+
+
+# --- prompt masking ---------------------------------------------------------------------------------
+class CharTok:
+    """A stand-in tokenizer: one id per character, ChatML-like template."""
+    pad_token_id = 0
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def apply_chat_template(self, messages, add_generation_prompt=False):
+        s = "".join(f"<{m['role']}>{m['content']}|" for m in messages)
+        return s + ("<assistant>" if add_generation_prompt else "")
+
+
+def test_prompt_masking_and_dynamic_padding():
+    tok = CharTok()
+    convs = [[{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ok"}],
+             [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "fine!"}]]
+    enc = [judge.encode_conversation(tok, c, 100) for c in convs]
+    assert enc[0][1] == len("<user>hi|<assistant>")  # the prompt, generation prompt included
+    assert "".join(map(chr, enc[0][0][enc[0][1]:])) == "ok|"  # the answer and its end marker carry the loss
+    ids, labels = judge.collate(enc, pad_id=0)
+    assert ids.shape == (2, len("<user>hello|<assistant>fine!|"))  # as long as the longest, no more
+    assert (labels[0] != -100).sum() == 3 and (labels[1] != -100).sum() == 6
+    assert torch.all(labels[0, enc[0][1] + 3:] == -100) and torch.all(ids[0, len(enc[0][0]):] == 0)
+    # the loss is the answer tokens' cross-entropy only: a prompt-only change leaves it unchanged
+    logits = torch.randn(2, ids.shape[1], 130)
+    base = judge.answer_loss(logits, labels)
+    logits[:, :enc[0][1] - 1] += 5 * torch.randn(2, enc[0][1] - 1, 130)
+    assert torch.allclose(judge.answer_loss(logits, labels), base)
+    # too long: the prompt is cut from the left, the answer kept
+    ids_cut, n_prompt = judge.encode_conversation(tok, convs[1], 10)
+    assert len(ids_cut) == 10 and "".join(map(chr, ids_cut[n_prompt:])) == "fine!|"
+
+
+# --- the estimate ---------------------------------------------------------------------------------
+def test_estimate_counts_known_models():
+    from lib.llama import KNOWN_CONFIGS, LlamaConfig
+
+    counts = {name: judge.count_params(LlamaConfig(**c)) for name, c in KNOWN_CONFIGS.items()}
+    assert counts["Qwen/Qwen2-1.5B-Instruct"] == pytest.approx(1.544e9, rel=1e-3)  # the model card's 1.54B
+    assert counts["Qwen/Qwen2.5-3B-Instruct"] == pytest.approx(3.086e9, rel=1e-3)  # 3.09B
+    assert counts["meta-llama/Llama-3.2-1B-Instruct"] == pytest.approx(1.236e9, rel=1e-3)  # 1.24B
+    assert [judge.lora_rank_for(n)[0] for n in counts.values()] == [16, 8, 16]
+    cfg = LlamaConfig(**KNOWN_CONFIGS["Qwen/Qwen2.5-3B-Instruct"])
+    fp32 = judge.estimate_memory(cfg, 1, 512, "cuda", "fp32", 4, 8)
+    nf4 = judge.estimate_memory(cfg, 1, 512, "cuda", "nf4", 2, 8, "adamw8bit", True)
+    assert sum(nf4.values()) < 0.25 * sum(fp32.values())
+    n_lora = judge.lora_param_count(cfg, 8)
+    assert fp32["AdamW moments (2 x fp32)"] == 8 * n_lora
+    # per layer: six 16,384-element matrices in 8 bits (2 bytes each + 8 bytes per 256) and the k/v
+    # B matrices [256, 8] = 2,048 elements under 4,096, in fp32 (8 bytes each)
+    assert nf4["8-bit AdamW state"] == 36 * (6 * (2 * 16384 + 8 * 64) + 2 * 8 * 2048)
+
+
+def test_estimate_matches_a_built_model():
+    from lib import llama, lora
+
+    cfg = llama.LlamaConfig(model_type="qwen2", vocab_size=300, hidden_size=64, intermediate_size=160,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2)
+    model = llama.build_model(cfg, seed=0)
+    assert judge.count_params(cfg) == model.num_params()
+    lora.apply_lora(model, judge.LORA_TARGETS, 8, 16)
+    assert judge.lora_param_count(cfg, 8) == sum(p.numel() for p in model.parameters() if p.requires_grad)
+
+
+# --- both scripts end to end on --model tiny (CPU) -------------------------------------------------
+import judge_train_cuda  # noqa: E402
+import judge_train_mps  # noqa: E402
+from conftest import read_metrics  # noqa: E402
+
+QUICK = ["--model", "tiny", "--device", "cpu", "--log_interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, isolated_cache_module):
+    """One short fine-tuning run of the MPS script on the tiny demo (the base is built once per session)."""
+    out = str(tmp_path_factory.mktemp("judge_mps"))
+    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "800", "--eval_steps", "50",
+                                "--test_samples", "24", "--log_interval", "50"])
+    return out, res
+
+
+@pytest.fixture(scope="module")
+def isolated_cache_module(tmp_path_factory):
+    # The autouse isolated_cache fixture is function-scoped; the module fixtures need the same cache.
+    cache = tmp_path_factory.getbasetemp() / "byhand-cache"
+    old = os.environ.get("BYHAND_CACHE")
+    os.environ["BYHAND_CACHE"] = str(cache)
+    yield str(cache)
+    if old is None:
+        os.environ.pop("BYHAND_CACHE", None)
+    else:
+        os.environ["BYHAND_CACHE"] = old
+
+
+def test_fine_tuned_judge_beats_untrained(trained):
+    out, res = trained
+    base, after = res["baseline"], res["test"]
+    assert base["n"] == after["n"] == 24
+    assert after["unparseable"] <= 1
+    # measured: 4.1 untrained (it grades 7-10 whatever the errors) -> 1.8 after 200 steps; a constant answer 2.9
+    assert after["mae"] < base["mae"] - 1.0, (base["mae"], after["mae"])
+    assert after["pearson_r"] > 0.5
+    # the PEFT adapter, the tokenizer, the predictions and the metrics are all in --output_dir
+    cfg = json.load(open(os.path.join(out, "adapter_config.json")))
+    assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and sorted(cfg["target_modules"]) == sorted(judge.LORA_TARGETS)
+    assert cfg["base_model_name_or_path"].endswith(judge.TINY_VERSION)
+    preds = json.load(open(os.path.join(out, "test_predictions.json")))
+    assert len(preds) == 24 and {"prediction", "reference", "predicted_score"} <= set(preds[0])
+    records = read_metrics(out)
+    assert records[0]["event"] == "start" and records[0]["seed"] == 0
+    test_rec = [r for r in records if r.get("event") == "test"][0]
+    assert test_rec["mae"] == after["mae"]
+    assert any(r.get("best") for r in records if "val_loss" in r)
+
+
+def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
+    out, res = trained
+    # the MPS script's adapter on the CUDA script's NF4 base (CPU fallback), no training
+    ev = judge_train_cuda.main([*QUICK, "--adapter", out, "--epochs", "0", "--output_dir", str(tmp_path / "cuda_eval"),
+                                "--test_samples", "24"])
+    assert ev["test"]["mae"] < res["baseline"]["mae"] - 1.0  # the same judge on an NF4-rounded base
+    # and the CUDA script's adapter (NF4, 8-bit AdamW, checkpointing) read back by the MPS script
+    cuda_out = str(tmp_path / "cuda_train")
+    trained_cuda = judge_train_cuda.main([*QUICK, "--output_dir", cuda_out, "--max_samples", "32", "--epochs", "1",
+                                          "--skip_eval"])
+    assert trained_cuda["best_step"] is not None
+    back = judge_train_mps.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
+                                 str(tmp_path / "mps_eval"), "--test_samples", "8", "--max_new_tokens", "12"])
+    assert back["test"]["n"] == 8
+
+
+def test_overwrite_refusal_and_resume_flag_check(trained, capsys):
+    out, _ = trained
+    with pytest.raises(SystemExit) as e:
+        judge_train_mps.main([*QUICK, "--output_dir", out, "--epochs", "1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "already holds a saved run" in err and "--overwrite" in err and "--resume" in err
+    with pytest.raises(SystemExit) as e:
+        judge_train_mps.main([*QUICK, "--output_dir", out, "--resume", "--batch_size", "4"])
+    assert e.value.code == 2 and "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
+
+
+def test_resume_is_exact(tmp_path, monkeypatch, isolated_cache_module):
+    from lib import optim
+
+    args = [*QUICK, "--max_samples", "48", "--epochs", "2", "--eval_steps", "4",
+            "--skip_eval"]  # batch 8: 6 steps an epoch, 12 in all, evaluations at 0, 4, 8 and the end
+    straight = str(tmp_path / "straight")
+    judge_train_mps.main([*args, "--output_dir", straight])
+    # the same run, interrupted (Ctrl-C) as step 7 starts, then resumed
+    resumed = str(tmp_path / "resumed")
+    real = optim.lr_at
+
+    def interrupting(step, *a):
+        if step == 7:
+            raise KeyboardInterrupt
+        return real(step, *a)
+
+    monkeypatch.setattr(optim, "lr_at", interrupting)
+    with pytest.raises(SystemExit) as e:
+        judge_train_mps.main([*args, "--output_dir", resumed])
+    assert e.value.code == 130
+    monkeypatch.setattr(optim, "lr_at", real)
+    judge_train_mps.main([*args, "--output_dir", resumed, "--resume"])
+    a = {r["step"]: r["loss"] for r in read_metrics(straight) if "loss" in r}
+    b = {r["step"]: r["loss"] for r in read_metrics(resumed) if "loss" in r}
+    assert len(a) == 12 and a == b
+    va = [(r["step"], r["val_loss"]) for r in read_metrics(straight) if "val_loss" in r and "event" not in r]
+    vb = [(r["step"], r["val_loss"]) for r in read_metrics(resumed) if "val_loss" in r and "event" not in r]
+    assert va == vb and len(va) == 4
+
+
+def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch, isolated_cache_module):
+    real = torch.nn.utils.clip_grad_norm_
+    calls = {"n": 0}
+
+    def first_is_nan(params, max_norm):
+        calls["n"] += 1
+        real(params, max_norm)
+        return torch.tensor(float("nan")) if calls["n"] == 1 else real(params, max_norm)
+
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", first_is_nan)
+    out = str(tmp_path / "nan")
+    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "16", "--epochs", "1", "--skip_eval"])
+    steps = [r for r in read_metrics(out) if "loss" in r]
+    assert [r.get("skipped", False) for r in steps] == [True, False]
+    assert res["best_step"] is not None
