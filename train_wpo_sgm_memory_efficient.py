@@ -1,6 +1,6 @@
 """Train a WPO-SGM score model (arXiv 2402.06162) whose memory need not grow with the centres.
 
-    python train_wpo_sgm_memory_efficient.py                                  # 8gaussians, CPU, about a minute
+    python train_wpo_sgm_memory_efficient.py                                  # 8gaussians, CPU, under a minute
     python train_wpo_sgm_memory_efficient.py --data cifar10 --data-dir DIR --train_kernel_size 1000 --dry-run
     python train_wpo_sgm_memory_efficient.py --strategy chunked --chunk_size 16 --train_kernel_size 2000
     torchrun --standalone --nproc_per_node=2 train_wpo_sgm_memory_efficient.py --strategy model_parallel
