@@ -150,3 +150,43 @@ def load_training_state(out_dir: str) -> dict:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # a truncated or foreign file; tell the user which one
         raise UserError(f"{path} cannot be read ({type(e).__name__}: {e}); it is not a byhand training state") from None
+
+
+# A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
+# dtype, shape and byte range, and then the raw bytes. Reading it by hand lets a loader take one
+# tensor at a time with plain file reads (lib/finetune.py for GPT-2, lib/llama.py): nothing is
+# memory-mapped, so the resident set never holds the whole file.
+SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
+
+
+def read_safetensors_header(path: str, missing_hint: str):
+    """(header without its metadata, offset where the tensor bytes start), checked: float tensors
+    only, and every byte range inside the file, so a truncated download fails before any work."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            header = json.loads(f.read(n))
+    except FileNotFoundError:
+        raise UserError(f"{path} is missing; {missing_hint}") from None
+    except (ValueError, OSError, MemoryError, OverflowError) as e:
+        raise UserError(f"{path} cannot be read as safetensors ({type(e).__name__}); download or save it again") from None
+    header.pop("__metadata__", None)
+    for name, entry in header.items():
+        if entry.get("dtype") not in SAFETENSORS_DTYPES:
+            raise UserError(f"{path}: tensor {name} has dtype {entry.get('dtype')}; expected a float checkpoint "
+                            f"(pre-quantised checkpoints are not supported)")
+    if 8 + n + max((e["data_offsets"][1] for e in header.values()), default=0) > os.path.getsize(path):
+        raise UserError(f"{path} is truncated (its tensors end past the end of the file); download or save it again")
+    return header, 8 + n
+
+
+def read_tensor(f, entry: dict, data_start: int) -> torch.Tensor:
+    """One tensor of an open safetensors file, read into its own buffer."""
+    begin, end = entry["data_offsets"]
+    buf = bytearray(end - begin)
+    f.seek(data_start + begin)
+    if f.readinto(buf) != len(buf):
+        raise UserError(f"{f.name} is truncated (a tensor's bytes end past the end of the file); download or save it again")
+    dtype = SAFETENSORS_DTYPES[entry["dtype"]]
+    t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
+    return t.reshape(entry["shape"])

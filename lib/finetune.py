@@ -166,36 +166,12 @@ def config_for_estimate(init_from, cache_dir, log=print, known_sizes=True) -> gp
     return read_config(resolve_base(init_from, cache_dir, log))
 
 
-# A safetensors file is an 8-byte little-endian header length, a JSON header naming each tensor's
-# dtype, shape and byte range, and then the raw bytes. Reading it by hand lets us take one tensor at
-# a time with plain file reads: nothing is memory-mapped, so the resident set never holds the file.
-_SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-
-
-def _read_header(path: str):
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing; point --init-from at a directory holding config.json and "
-                        f"model.safetensors") from None
-    except (ValueError, OSError, MemoryError, OverflowError) as e:
-        raise UserError(f"{path} cannot be read as safetensors ({type(e).__name__}); download or save it again") from None
-    header.pop("__metadata__", None)
-    for name, entry in header.items():
-        if entry.get("dtype") not in _SAFETENSORS_DTYPES:
-            raise UserError(f"{path}: tensor {name} has dtype {entry.get('dtype')}; a GPT-2 checkpoint holds float tensors")
-    if 8 + n + max((e["data_offsets"][1] for e in header.values()), default=0) > os.path.getsize(path):
-        raise UserError(f"{path} is truncated (its tensors end past the end of the file); download or save it again")
-    return header, 8 + n
-
-
 def check_base_weights(model_dir: str, cfg: gpt.GPTConfig):
     """model.safetensors present, whole, and of the names and shapes config.json implies, from its
     header alone: a wrong or truncated file fails in a moment, before any work."""
     path = os.path.join(model_dir, checkpoint.WEIGHTS)
-    header, data_start = _read_header(path)
+    header, data_start = checkpoint.read_safetensors_header(
+        path, "point --init-from at a directory holding config.json and model.safetensors")
     shapes = {}
     for hf_name, entry in header.items():
         shapes.update(gpt.from_hf_state_dict({hf_name: torch.empty(entry["shape"], device="meta")}))
@@ -203,15 +179,7 @@ def check_base_weights(model_dir: str, cfg: gpt.GPTConfig):
     return header, data_start
 
 
-def _read_tensor(f, entry: dict, data_start: int) -> torch.Tensor:
-    begin, end = entry["data_offsets"]
-    buf = bytearray(end - begin)
-    f.seek(data_start + begin)
-    if f.readinto(buf) != len(buf):
-        raise UserError(f"{f.name} is truncated (a tensor's bytes end past the end of the file); download or save it again")
-    dtype = _SAFETENSORS_DTYPES[entry["dtype"]]
-    t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-    return t.reshape(entry["shape"])
+
 
 
 def load_base(model_dir: str, device, convert_linear=None) -> gpt.GPT:
@@ -235,7 +203,7 @@ def load_base(model_dir: str, device, convert_linear=None) -> gpt.GPT:
     pending, rest = {}, {}
     with open(path, "rb") as f:
         for hf_name, entry in header.items():
-            for name, t in gpt.from_hf_state_dict({hf_name: _read_tensor(f, entry, data_start)}).items():
+            for name, t in gpt.from_hf_state_dict({hf_name: checkpoint.read_tensor(f, entry, data_start)}).items():
                 if name == "lm_head.weight":
                     continue  # tied to the token embedding below
                 module_name, _, kind = name.rpartition(".")

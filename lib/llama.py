@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lib import hub
+from lib.checkpoint import SAFETENSORS_DTYPES, read_safetensors_header, read_tensor
 from lib.errors import UserError
 from lib.nf4 import LinearNF4, replace_submodule
 
@@ -415,37 +416,11 @@ def build_model(cfg: LlamaConfig, seed: int | None = None, dtype=torch.float32, 
 
 
 # --- loading and saving in the Hugging Face layout --------------------------------------------------
-_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
-_DTYPE_NAMES = {v: k for k, v in _DTYPES.items()}
+_DTYPE_NAMES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
-def _read_header(path: str):
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            header = json.loads(f.read(n))
-    except FileNotFoundError:
-        raise UserError(f"{path} is missing; download the model again or pass a complete model directory") from None
-    except (ValueError, OSError, MemoryError, OverflowError) as e:
-        raise UserError(f"{path} cannot be read as safetensors ({type(e).__name__}); download or save it again") from None
-    header.pop("__metadata__", None)
-    for name, entry in header.items():
-        if entry.get("dtype") not in _DTYPES:
-            raise UserError(f"{path}: tensor {name} has dtype {entry.get('dtype')}; expected a float checkpoint "
-                            f"(pre-quantised checkpoints are not supported)")
-    return header, 8 + n
-
-
-def _read_tensor(f, entry: dict, data_start: int) -> torch.Tensor:
-    # Plain reads, not mmap: only the tensor being converted is ever resident.
-    begin, end = entry["data_offsets"]
-    buf = bytearray(end - begin)
-    f.seek(data_start + begin)
-    if f.readinto(buf) != len(buf):
-        raise UserError(f"{f.name} is truncated (a tensor ends past the end of the file); download it again")
-    dtype = _DTYPES[entry["dtype"]]
-    t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
-    return t.reshape(entry["shape"])
+def _read_header_of(path: str):
+    return read_safetensors_header(path, "download the model again or pass a complete model directory")
 
 
 def weight_files(model_dir: str) -> dict[str, str]:
@@ -462,7 +437,7 @@ def weight_files(model_dir: str) -> dict[str, str]:
     if not os.path.isfile(single):
         raise UserError(f"{model_dir} has neither model.safetensors nor model.safetensors.index.json; "
                         f"pass a Hugging Face model directory with safetensors weights")
-    header, _ = _read_header(single)
+    header, _ = _read_header_of(single)
     return {name: single for name in header}
 
 
@@ -488,7 +463,7 @@ def load_pretrained(model_dir: str, dtype=torch.float32, device="cpu", convert_l
     # Check every name and shape from the headers before reading a single weight.
     headers = {}
     for path in sorted(set(files.values())):
-        headers[path] = _read_header(path)
+        headers[path] = _read_header_of(path)
     found = {}
     for name, path in files.items():
         if name not in headers[path][0]:
@@ -523,7 +498,7 @@ def load_pretrained(model_dir: str, dtype=torch.float32, device="cpu", convert_l
             for name, entry in header.items():
                 if name not in want:
                     continue
-                t = _read_tensor(f, entry, start).to(device=device, dtype=dtype)
+                t = read_tensor(f, entry, start).to(device=device, dtype=dtype)
                 module_name, _, kind = name.rpartition(".")
                 if module_name not in linear_names:
                     rest[name] = nn.Parameter(t, requires_grad=False)
