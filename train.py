@@ -115,13 +115,7 @@ def main(argv=None):
 
 def check_args(args):
     """Everything about the flags and paths that can be checked before any work starts."""
-    if args.min_lr_ratio > 1:
-        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
-                        f"use a value from 0 to 1")
-    if args.seed >= 2**32:
-        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
-    if args.resume and args.overwrite:
-        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+    guards.check_schedule_seed_resume(args)
     devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
     guards.check_output_dir(args.out_dir)
     guards.check_cache_dir(args.cache_dir)

@@ -106,15 +106,9 @@ def check_arguments(args):
     bad = [t for t in args.lora_targets if t not in TARGET_CHOICES]
     if bad or not args.lora_targets:
         raise UserError(f"--lora-targets {' '.join(bad) or '(none)'}: choose from {', '.join(TARGET_CHOICES)}")
-    if args.min_lr_ratio > 1:
-        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1; the final learning rate is a fraction of --lr, "
-                        f"pass a value from 0 to 1")
-    if args.seed >= 2**32 - 1:  # numpy's seed is 32 bits, and the held-out batches use seed + 1
-        raise UserError(f"--seed {args.seed} is too large; pass a seed below {2**32 - 1}")
+    guards.check_schedule_seed_resume(args, seed_limit=2**32 - 1)  # the held-out batches use seed + 1
     if args.resume and args.adapter:
         raise UserError("--resume continues the adapter saved in --out-dir, --adapter starts from another one; pass one of them")
-    if args.resume and args.overwrite:
-        raise UserError("--resume continues the run in --out-dir, --overwrite replaces it; pass one of them")
 
 
 def check_paths(args):

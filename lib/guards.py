@@ -63,6 +63,18 @@ def add_safety_flags(parser):
                         help="run even when the memory estimate exceeds what the device has free")
 
 
+def check_schedule_seed_resume(args, seed_limit: int = 2**32):
+    """The flag checks every GPT training script shares: --min-lr-ratio a fraction, --seed within what
+    numpy accepts (seed_limit lower where seed + 1 is used too), not both --resume and --overwrite."""
+    if args.min_lr_ratio > 1:
+        raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
+                        f"use a value from 0 to 1")
+    if args.seed >= seed_limit:
+        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {seed_limit - 1}")
+    if args.resume and args.overwrite:
+        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
+
+
 # --- paths --------------------------------------------------------------------------------------
 def check_output_dir(path: str, flag: str = "--out-dir"):
     """Make sure `path` can become (or already is) a writable directory, without creating it."""
