@@ -18,7 +18,6 @@ status 1), which no worker can prevent (README, "Ctrl-C under torchrun").
 
 import argparse
 import contextlib
-import json
 import math
 import os
 import signal
@@ -27,7 +26,7 @@ import sys
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, tokenizer
+from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, rundir, tokenizer
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -92,16 +91,20 @@ def make_parser():
     return p
 
 
-# --resume continues the saved run. These flags would change what that run is (the model, the data, the
-# windows a step reads, so that resuming would no longer be exact): given explicitly they must match it,
-# and when not given the saved values are used. The others may change: given, they are reported as changed;
-# not given, they keep the saved run's values (except --device: the machine may be another one).
-RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
-                "batch_size", "grad_accum")
-RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                     "eval_interval", "eval_batches", "save_interval", "log_interval", "device", "dtype", "compile",
-                     "sample_tokens", "prompt", "temperature", "top_k")
-MAX_SKIPPED = 10  # consecutive updates skipped for a non-finite gradient before the run stops
+# The run directory (lib/rundir.py): what a saved run is, and which flags --resume may change. The fixed
+# ones make the run what it is (the model, the data, the windows a step reads): given again they must
+# match, and when not given the saved values are used, so that resuming stays exact. The changeable ones
+# are reported when changed and otherwise keep the saved run's values.
+RUN = rundir.Spec(
+    saved={checkpoint.CONFIG: "json", checkpoint.WEIGHTS: "safetensors", checkpoint.STATE: "state"},
+    same_step=(checkpoint.WEIGHTS,),
+    fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
+           "batch_size", "grad_accum"),
+    changeable=("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "compile",
+                "sample_tokens", "prompt", "temperature", "top_k", "peak_flops"),
+    data=("data",),
+)
 
 
 def main(argv=None):
@@ -120,10 +123,8 @@ def check_args(args):
     guards.check_output_dir(args.out_dir)
     guards.check_cache_dir(args.cache_dir)
     if not args.estimate_memory:  # a run writes both; find out now whether it can
-        guards.make_output_dir(args.out_dir)
         if args.init_from or not data.is_prepared(args.data):
             guards.make_output_dir(args.cache_dir, "--cache-dir")
-        guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
 
 
 @torch.no_grad()
@@ -140,38 +141,32 @@ def evaluate(model, batches, n_batches, device, amp, dist_info):
     return distributed.all_reduce_sum(total, dist_info).item() / n_batches
 
 
-def save(out_dir, raw_model, optimizer, step, args, first_val):
-    """Weights in the HF layout, then the state --resume needs. step = the next step to run."""
-    checkpoint.save_hf(out_dir, raw_model.config, gpt.to_hf_state_dict(raw_model), step=step)
-    state = {
-        "step": step,
-        "optimizer": optimizer.state_dict(),
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-        "data_position": step,  # batches are a function of (seed, step): the step is the position
-        "args": json.dumps(vars(args)),
-        "first_val_loss": first_val,  # so a resumed run reports where the whole run started
-    }
-    checkpoint.save_training_state(out_dir, state)
+def save(run_dir, raw_model, optimizer, step, args, first_val, updates, dist_info):
+    """Weights in the HF layout, then the state --resume needs (step = the next step to run). Weights
+    holding NaN or inf are never saved: the run stops instead, naming the last finite checkpoint."""
+    guards.check_finite_weights(raw_model.named_parameters(), step, updates.last_saved, run_dir.out_dir)
+    if dist_info.is_main:
+        checkpoint.save_hf(run_dir.out_dir, raw_model.config, gpt.to_hf_state_dict(raw_model), step=step)
+        rundir.save_state(run_dir, args, {
+            "step": step,
+            "optimizer": optimizer.state_dict(),
+            "rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            "data_position": step,  # batches are a function of (seed, step): the step is the position
+            "first_val_loss": first_val,  # so a resumed run reports where the whole run started
+        })
+    updates.saved(step)
 
 
 def run(args, parser, argv):
     # --- checks before any work -------------------------------------------------------------------
     check_args(args)
-    train_state = None
-    if args.resume:
-        train_state = checkpoint.load_training_state(args.out_dir)
-        saved_args = json.loads(train_state.get("args", "{}"))
-        main_rank = int(os.environ.get("RANK", 0)) == 0  # torchrun's ranks all check; one of them reports
-        given = guards.explicit_flags(args, parser, argv)
-        for key in RESUME_CHANGEABLE:  # not given: as the saved run had it (the device is this machine's)
-            if key not in given and key in saved_args and key != "device":
-                setattr(args, key, saved_args[key])
-        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
-                                  log=print if main_rank else (lambda *a: None), argv=argv)
-        for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
-            if key in saved_args:
-                setattr(args, key, saved_args[key])
+    # The run directory: a saved run is never replaced without --overwrite; --resume validates every
+    # saved file and takes the saved run's flags (lib/rundir.py).
+    main_rank = int(os.environ.get("RANK", 0)) == 0  # torchrun's ranks all check; one of them reports
+    run_dir = rundir.prepare(args, parser, argv, RUN, log=print if main_rank else (lambda *a: None),
+                             writes=not args.estimate_memory)
+    train_state = run_dir.state
 
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)
@@ -241,10 +236,6 @@ def run(args, parser, argv):
     state_dict = None
     if args.resume:
         _, state_dict = checkpoint.load_hf(args.out_dir)
-        saved_step = checkpoint.weights_step(os.path.join(args.out_dir, checkpoint.WEIGHTS))
-        if saved_step != train_state["step"]:
-            raise UserError(f"{args.out_dir}: weights are from step {saved_step} but the training state from "
-                            f"step {train_state['step']}; the save was interrupted, start again with --overwrite")
         bad = guards.nonfinite(state_dict)
         if bad:
             raise UserError(f"{args.out_dir}/{checkpoint.WEIGHTS} holds non-finite weights ({len(bad)} tensors, e.g. "
@@ -280,10 +271,7 @@ def run(args, parser, argv):
             f"; it already ran its --steps {args.steps}, pass a larger --steps to train further"))
 
     # --- training loop ----------------------------------------------------------------------------
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    if dist_info.is_main:
-        guards.start_metrics(metrics_path, args.resume)  # a fresh run starts a fresh log
-    metrics_log = metrics.MetricsLog(metrics_path, enabled=dist_info.is_main)
+    metrics_log = rundir.begin(run_dir, args, dist_info.is_main)  # the first write; --overwrite clears only now
     metrics_log.log(event="start", seed=args.seed, step=start_step, world_size=dist_info.world_size,
                     device=str(device), n_params=n_params, config=vars(cfg), args=vars(args))
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
@@ -295,8 +283,8 @@ def run(args, parser, argv):
     # interrupt anywhere in a step saves a state that --resume continues without repeating work.
     next_step = start_step
     # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
-    last_finite = start_step if args.resume else None
-    val_loss, skipped_in_a_row = None, 0
+    updates = rundir.Updates(args.out_dir, last_saved=start_step if args.resume else None)
+    val_loss = None
     previous_handler = signal.getsignal(signal.SIGINT)
     ctrl_c = distributed.catch_ctrl_c(dist_info)
     try:
@@ -322,9 +310,7 @@ def run(args, parser, argv):
                     scaler.scale(loss).backward()
                 loss_sum += loss.detach()
             loss_value = distributed.all_reduce_mean(loss_sum, dist_info).item()
-            if not math.isfinite(loss_value):
-                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, "
-                                f"{guards.last_finite_text(last_finite, args.out_dir)}; lower --lr or check the data")
+            updates.check_loss(step, loss_value)
             scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf")).item()
             # A NaN or infinite gradient would turn every weight it touches into NaN: skip that update.
@@ -336,13 +322,9 @@ def run(args, parser, argv):
             optimizer.zero_grad(set_to_none=True)
             next_step = step + 1
             speed.add(tokens_per_step)
-            skipped_in_a_row = skipped_in_a_row + 1 if skipped and not scaler.is_enabled() else 0
             if skipped:
                 log(f"step {step}: gradient norm {grad_norm}, update skipped")
-            if skipped_in_a_row >= MAX_SKIPPED:
-                raise UserError(f"the gradient norm was not finite for {MAX_SKIPPED} steps in a row (steps "
-                                f"{step - MAX_SKIPPED + 1} to {step}); stopped, "
-                                f"{guards.last_finite_text(last_finite, args.out_dir)}; lower --lr or check the data")
+            updates.record(step, skipped and not scaler.is_enabled())  # stops after 10 skipped in a row
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if skipped:
@@ -359,31 +341,23 @@ def run(args, parser, argv):
             if distributed.stop_requested(ctrl_c, dist_info, device):
                 raise KeyboardInterrupt  # on every rank, after the same finished step
             if next_step % args.save_interval == 0 and next_step < args.steps:
-                guards.check_finite_weights(raw_model.named_parameters(), next_step, last_finite, args.out_dir)
-                if dist_info.is_main:
-                    save(args.out_dir, raw_model, optimizer, next_step, args, first_val)
-                last_finite = next_step
-    except KeyboardInterrupt:
-        # A second Ctrl-C (torchrun forwards one to its workers) must not cut the save short.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        guards.check_finite_weights(raw_model.named_parameters(), next_step, last_finite, args.out_dir)
-        if dist_info.is_main:
-            save(args.out_dir, raw_model, optimizer, next_step, args, first_val)
-            print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        distributed.cleanup(dist_info)
-        distributed.exit_interrupted()
+                save(run_dir, raw_model, optimizer, next_step, args, first_val, updates, dist_info)
+    except KeyboardInterrupt:  # save exactly the updates made so far, then exit 130
+        rundir.save_on_interrupt(lambda: save(run_dir, raw_model, optimizer, next_step, args, first_val, updates,
+                                              dist_info), next_step, args.out_dir, dist_info.is_main,
+                                 cleanup=lambda: distributed.cleanup(dist_info))
     finally:
         signal.signal(signal.SIGINT, previous_handler)
     step = next_step
+    updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 
     # --- save -------------------------------------------------------------------------------------
     if args.steps > start_step or not args.resume:
         val_loss = evaluate(model, val_batches, args.eval_batches, device, amp, dist_info)
         log(f"step {step}: val loss {val_loss:.4f}" + (f" (started at {first_val:.4f})" if first_val else ""))
         metrics_log.log(step=step, val_loss=val_loss)
-    guards.check_finite_weights(raw_model.named_parameters(), step, last_finite, args.out_dir)
+    save(run_dir, raw_model, optimizer, step, args, first_val, updates, dist_info)
     if dist_info.is_main:
-        save(args.out_dir, raw_model, optimizer, step, args, first_val)
         log(f"saved {args.out_dir}/{checkpoint.CONFIG}, {checkpoint.WEIGHTS} (Hugging Face GPT-2 layout) and {checkpoint.STATE}")
 
     # --- report -----------------------------------------------------------------------------------

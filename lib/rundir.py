@@ -1,0 +1,382 @@
+"""The run contract: how every script that saves treats its output directory.
+
+Used by every training script (onefile_train.py keeps a compact inline copy, as it imports nothing
+from lib/). The one idea: check everything, then write. A run directory goes through the same
+steps in every script, and each script only declares what is particular to it (a Spec: its saved
+files, the flags that make the run what it is, the flags a resume may change, its data paths):
+
+1. prepare(): the flags and --out-dir are checked; --resume and --overwrite together are refused; a
+   fresh run into a directory that holds a saved run is refused unless --overwrite is given.
+   With --resume, every saved file is validated first (a damaged or missing one is one line and
+   exit 2, and nothing has been written); flags not given take the saved values; a flag that would
+   change what the run is, given with another value, is refused; the others are reported as
+   changed; a data file that moved may be given again when its contents are the same (their sha256
+   is kept in the training state, not just the path).
+2. begin(): only now, just before the first write, --overwrite removes the old run's files, and
+   metrics.jsonl starts afresh (or, resumed, continues).
+3. save_state() and lib.checkpoint.atomic_write: every file is written to a temporary name and
+   renamed, so an interruption never tears one. guards.check_finite_weights comes first: weights
+   holding NaN or inf are never saved.
+4. save_on_interrupt(): Ctrl-C saves the updates made so far and exits 130.
+5. Updates: an update skipped for a non-finite gradient is counted; MAX_SKIPPED in a row stop the
+   run with a clear message, and a run that applied no update at all says so and exits non-zero.
+"""
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import signal
+import sys
+from typing import Callable
+
+import torch
+
+from lib import guards, metrics
+from lib.checkpoint import atomic_write
+from lib.errors import UserError
+
+STATE = "training_state.pt"
+METRICS = "metrics.jsonl"
+MAX_SKIPPED = 10  # updates in a row skipped for a non-finite gradient before the run stops
+
+# Flags that say how to run this invocation, not what the run is: they never come from the saved run.
+PER_INVOCATION = ("out_dir", "output_dir", "resume", "overwrite", "force", "estimate_memory", "cache_dir", "device")
+
+
+@dataclasses.dataclass
+class Spec:
+    """What a script declares about its run directory; the rules are the same for every script.
+
+    saved: the files (paths relative to the directory) whose presence means "a run is saved here",
+        each with how to check it: "state" (a torch training state, loaded with weights_only=True),
+        "safetensors", "json", "exists", or a function(path) that raises UserError when the file is bad.
+    optional: of `saved`, the ones a run may not have written (a best copy, an index); checked when present.
+    written: everything else a run writes (files or directories): --overwrite removes these too.
+    fixed: flags that make the run what it is (shape, data, seed, batch): refused when --resume gives
+        another value; not given, they take the saved value.
+    changeable: flags a resume may change (steps, learning rate, intervals): reported when changed;
+        not given, they keep the saved value.
+    data: of the fixed flags, those naming data files or directories: a moved file may be given again
+        with --resume when its contents are the same.
+    same_step: safetensors files whose metadata "step" must equal the training state's step.
+    state_file: where the training state lives; its "args" holds the run's flags.
+    out_flag: the flag that names the directory, for messages.
+    """
+    saved: dict
+    fixed: tuple = ()
+    changeable: tuple = ()
+    data: tuple = ()
+    optional: tuple = ()
+    written: tuple = (METRICS,)
+    same_step: tuple = ()
+    state_file: str = STATE
+    out_flag: str = "--out-dir"
+
+    @property
+    def out_dest(self) -> str:
+        return self.out_flag.lstrip("-").replace("-", "_")
+
+
+@dataclasses.dataclass
+class Run:
+    """What prepare() found: where the run lives, the saved state when resuming, the data fingerprints."""
+    out_dir: str
+    spec: Spec
+    state: dict | None = None  # the saved training state (with --resume), already validated
+    fingerprints: dict = dataclasses.field(default_factory=dict)
+
+    @property
+    def resumed(self) -> bool:
+        return self.state is not None
+
+    def fields(self, args) -> dict:
+        """What every training state holds besides the script's own entries: the run's flags (the
+        values it really used: record resolved values such as an automatic LoRA rank in args before
+        saving) and the fingerprints of its data."""
+        return {"args": json.dumps(vars(args)), "data_sha256": self.fingerprints}
+
+
+def flag(key: str) -> str:
+    return "--" + key.replace("_", "-")
+
+
+# --- 1. prepare: check, then resume -------------------------------------------------------------------
+def prepare(args, parser, argv, spec: Spec, log=print, writes: bool = True) -> Run:
+    """Check the directory and the flags; with --resume, validate the saved run and take its flags.
+
+    writes=False (for --estimate-memory, --dry-run) checks the paths but lets a run that will write
+    nothing look at a saved directory. Nothing is written or removed here except that a missing
+    --out-dir is created (with a probe file: a read-only mount fails now, not after an hour).
+    """
+    out_dir = getattr(args, spec.out_dest)
+    resume, overwrite = getattr(args, "resume", False), getattr(args, "overwrite", False)
+    if resume and overwrite:
+        raise UserError(f"--resume continues the run in {spec.out_flag} and --overwrite replaces it; pass one of them")
+    guards.check_output_dir(out_dir, spec.out_flag)
+    if not writes and not resume:
+        return Run(out_dir, spec)
+    if not resume:
+        found = [name for name in spec.saved if os.path.exists(os.path.join(out_dir, name))]
+        if found and not overwrite:
+            raise UserError(f"{out_dir} already holds a saved run ({', '.join(found)}); pass --resume to continue it, "
+                            f"--overwrite to replace it, or another {spec.out_flag}")
+        if writes:
+            guards.make_output_dir(out_dir, spec.out_flag)
+        return Run(out_dir, spec)
+    state = check_saved_run(out_dir, spec)
+    run = Run(out_dir, spec, state, dict(state.get("data_sha256") or {}))
+    apply_saved_flags(run, args, parser, argv, log)
+    return run
+
+
+def check_saved_run(out_dir: str, spec: Spec) -> dict:
+    """Every saved file validated before anything is written; returns the training state."""
+    state_path = os.path.join(out_dir, spec.state_file)
+    if not os.path.exists(state_path):
+        raise UserError(f"--resume: {state_path} does not exist; run without --resume first, or pass the "
+                        f"{spec.out_flag} of an earlier run")
+    for name, check in spec.saved.items():
+        path = os.path.join(out_dir, name)
+        if not os.path.exists(path):
+            if name in spec.optional:
+                continue
+            raise UserError(f"--resume: {path} is missing, so the run in {out_dir} is incomplete; start again with "
+                            f"--overwrite, or pass the {spec.out_flag} of a complete run")
+        check_file(path, check)
+    state = load_state(state_path)
+    for name in spec.same_step:
+        path = os.path.join(out_dir, name)
+        if os.path.exists(path):
+            step = safetensors_metadata(path).get("step")
+            if step is not None and int(step) != state.get("step"):
+                raise UserError(f"--resume: {path} is from step {step} but {state_path} from step {state.get('step')}; "
+                                f"the save was interrupted: start again with --overwrite")
+    return state
+
+
+def check_file(path: str, check) -> None:
+    """One line naming the file when it cannot be what it should be (truncated, garbled, foreign)."""
+    if callable(check):
+        check(path)
+    elif check == "state":
+        load_state(path)
+    elif check == "safetensors":
+        safetensors_metadata(path)
+    elif check == "json":
+        read_json(path)
+    elif check != "exists":
+        raise ValueError(f"check_file: unknown check {check!r}")
+
+
+def damaged(path: str, what: str) -> UserError:
+    return UserError(f"{path} is damaged ({what}); it cannot be used: restore it, or start again with --overwrite "
+                     f"(or another output directory)")
+
+
+def load_state(path: str) -> dict:
+    """A training state: torch.load with weights_only=True (tensors, numbers, strings, no code)."""
+    try:
+        if path.endswith(".json"):
+            state = read_json(path)
+        else:
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except UserError:
+        raise
+    except Exception as e:  # a truncated zip, a foreign pickle: say which file, not where torch failed
+        raise damaged(path, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'unreadable'}") from None
+    if not isinstance(state, dict) or "args" not in state:
+        raise damaged(path, "not a byhand training state: no 'args'")
+    return state
+
+
+def read_json(path: str):
+    try:
+        with open(path, encoding="utf-8-sig") as f:
+            return json.load(f)
+    except json.JSONDecodeError as e:
+        raise damaged(path, f"invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from None
+    except UnicodeDecodeError:
+        raise damaged(path, "not UTF-8 text") from None
+
+
+def safetensors_metadata(path: str) -> dict:
+    """The header of a safetensors file, checked: readable, and every tensor's bytes inside the file."""
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if n <= 0 or n > os.path.getsize(path) - 8:
+                raise ValueError("header length past the end of the file")
+            header = json.loads(f.read(n))
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, IndexError, AttributeError, OSError) as e:
+        raise damaged(path, f"not a safetensors file: {type(e).__name__}") from None
+    if 8 + n + end > os.path.getsize(path):
+        raise damaged(path, f"truncated: its tensors end at byte {8 + n + end:,}, the file has {os.path.getsize(path):,}")
+    return header.get("__metadata__") or {}
+
+
+def saved_args(state: dict) -> dict:
+    a = state.get("args", {})
+    return json.loads(a) if isinstance(a, str) else dict(a)
+
+
+def apply_saved_flags(run: Run, args, parser, argv, log=print):
+    """--resume continues the saved run: flags not given take its values; a fixed flag given with
+    another value is refused; a changeable one given with another value is reported."""
+    spec, saved = run.spec, saved_args(run.state)
+    given = guards.explicit_flags(args, parser, argv)
+    for key in spec.fixed:
+        if key not in saved:
+            continue
+        if key in spec.data:
+            resolve_data_path(run, args, key, saved[key], key in given, log)
+        elif key in given and not same_value(getattr(args, key), saved[key]):
+            raise UserError(f"--resume: {flag(key)} {getattr(args, key)} contradicts the saved run ({flag(key)} "
+                            f"{saved[key]}); drop {flag(key)} to continue it, or start a new run with --overwrite or "
+                            f"another {spec.out_flag}")
+        else:
+            setattr(args, key, saved[key])
+    for key in spec.changeable:
+        if key not in saved:
+            continue
+        if key not in given:
+            setattr(args, key, saved[key])
+        elif not same_value(getattr(args, key), saved[key]):
+            log(f"--resume: {flag(key)} changed from {saved[key]} to {getattr(args, key)}")
+
+
+def same_value(a, b) -> bool:
+    """Equal as the saved JSON would have them (tuples are lists there), or two names of one existing path."""
+    if isinstance(a, tuple):
+        a = list(a)
+    if a == b:
+        return True
+    return (isinstance(a, str) and isinstance(b, str) and os.path.exists(a) and os.path.exists(b)
+            and os.path.samefile(a, b))
+
+
+def resolve_data_path(run: Run, args, key: str, saved_path, given: bool, log=print):
+    """The saved run's data: the same path, or a new path whose contents are the same (sha256)."""
+    want = run.fingerprints.get(key)
+    now = getattr(args, key)
+    if not given or same_value(now, saved_path):
+        if want is not None and not os.path.exists(saved_path):
+            raise UserError(f"--resume: the run's {flag(key)} {saved_path} no longer exists; if it moved, pass its new "
+                            f"path with {flag(key)} (its contents are checked against the saved run)")
+        setattr(args, key, saved_path)
+        return
+    found = fingerprint(now) if want is not None else None
+    if want is None or found != want:  # another data set (an embedded default has no fingerprint at all)
+        why = " (the contents differ)" if found is not None else ""
+        raise UserError(f"--resume: {flag(key)} {now} contradicts the saved run ({flag(key)} {saved_path}){why}; "
+                        f"drop {flag(key)} to continue it (a moved file may be given again), or start a new run "
+                        f"with --overwrite or another {run.spec.out_flag}")
+    log(f"--resume: {flag(key)} moved from {saved_path} to {now} (same contents)")
+
+
+def fingerprint(path) -> str | None:
+    """sha256 of a data file's bytes, or of a directory's files (names and bytes, in sorted order);
+    None for a value that names no file (an embedded data set such as 'stdlib')."""
+    if not isinstance(path, str) or not os.path.exists(path):
+        return None
+    h = hashlib.sha256()
+    files = [path] if os.path.isfile(path) else sorted(
+        os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    for file in files:
+        h.update(os.path.relpath(file, path).encode() + b"\0")
+        with open(file, "rb") as f:
+            for block in iter(lambda: f.read(1 << 20), b""):
+                h.update(block)
+    return h.hexdigest()
+
+
+# --- 2. begin: the first write ----------------------------------------------------------------------
+def begin(run: Run, args, is_main: bool = True) -> metrics.MetricsLog:
+    """Just before the first write: with --overwrite the old run's files go now (every check has
+    passed); metrics.jsonl starts afresh for a new run and continues for a resumed one. A new run
+    also takes the fingerprints of its data here, for a later --resume from another path."""
+    spec = run.spec
+    if not run.resumed:
+        run.fingerprints = {key: fingerprint(getattr(args, key, None)) for key in spec.data}
+    if is_main:
+        os.makedirs(run.out_dir, exist_ok=True)
+        if not run.resumed:
+            for name in (*spec.saved, *spec.written):
+                path = os.path.join(run.out_dir, name)
+                if os.path.isdir(path) and not os.path.islink(path):
+                    shutil.rmtree(path)
+                elif os.path.lexists(path):
+                    os.remove(path)
+    return metrics.MetricsLog(os.path.join(run.out_dir, METRICS), enabled=is_main)
+
+
+# --- 3. save --------------------------------------------------------------------------------------------
+def save_state(run: Run, args, state: dict):
+    """The training state, with the run's flags and data fingerprints, in one atomic file."""
+    full = {**state, **run.fields(args)}
+    path = os.path.join(run.out_dir, run.spec.state_file)
+    atomic_write(path, lambda tmp: torch.save(full, tmp))
+
+
+# --- 4. Ctrl-C --------------------------------------------------------------------------------------------
+def save_on_interrupt(save: Callable, step: int, out_dir: str, is_main: bool = True, cleanup: Callable = None):
+    """Ctrl-C: save the updates made so far (step = the next one to run, so --resume neither skips nor
+    repeats one), say so, and exit 130, the shell's code for an interrupted program. A second Ctrl-C
+    (torchrun forwards one to its workers) is ignored until the save is done."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    saved = save()
+    if is_main:
+        where = f"saved step {step} to {out_dir}" if saved is not False else f"{out_dir} keeps its last save"
+        print(f"\ninterrupted: {where}; continue with --resume", file=sys.stderr, flush=True)
+    if cleanup is not None:
+        cleanup()
+    sys.stdout.flush()
+    sys.exit(130)
+
+
+# --- 5. updates that did not happen --------------------------------------------------------------------
+@dataclasses.dataclass
+class Updates:
+    """Counts the optimizer updates of a run: applied, and skipped for a non-finite gradient.
+
+    A NaN or infinite gradient would turn every weight it touches into NaN, so that update is
+    skipped; one bad batch is survivable, a run of them means the run has diverged. record() is
+    called once per optimizer step, after the update; saved() whenever a checkpoint is written, so
+    that a message can name the last finite one.
+    """
+    out_dir: str
+    limit: int = MAX_SKIPPED
+    in_a_row: int = 0
+    applied: int = 0
+    skipped: int = 0
+    last_saved: int | None = None
+
+    def check_loss(self, step: int, loss: float):
+        """A non-finite loss stops the run before its update (the gradient of a NaN is NaN everywhere)."""
+        if not (loss == loss and abs(loss) != float("inf")):
+            raise UserError(f"the loss became {loss} at step {step}; stopped before the update, "
+                            f"{guards.last_finite_text(self.last_saved, self.out_dir)}; lower the learning rate or "
+                            f"check the data")
+
+    def record(self, step: int, skipped: bool):
+        if not skipped:
+            self.applied, self.in_a_row = self.applied + 1, 0
+            return
+        self.skipped, self.in_a_row = self.skipped + 1, self.in_a_row + 1
+        if self.in_a_row >= self.limit:
+            raise UserError(f"the gradient norm was not finite for {self.limit} steps in a row (steps "
+                            f"{step - self.limit + 1} to {step}); stopped, "
+                            f"{guards.last_finite_text(self.last_saved, self.out_dir)}; lower the learning rate or "
+                            f"check the data")
+
+    def saved(self, step: int):
+        self.last_saved = step
+
+    def finish(self):
+        """A run that tried to update and never could has trained nothing: say so, exit non-zero."""
+        if self.skipped and not self.applied:
+            raise UserError(f"no update was applied: all {self.skipped} were skipped for a non-finite gradient, so "
+                            f"nothing was trained and nothing new was saved in {self.out_dir}; lower the learning "
+                            f"rate or check the data")

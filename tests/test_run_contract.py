@@ -1,0 +1,245 @@
+"""The run contract (lib/rundir.py; README "Common flags"), held against every script that saves.
+
+One parametrised test per rule, over the ten scripts. Adding a script to the repository means adding
+it to CASES below. Each case runs the script in-process (its main(argv)) with tiny settings, or under
+`torchrun --nproc_per_node=2` where the script needs ranks:
+
+- a fresh run into a saved directory is refused, and every file is left as it was;
+- --resume with no other flags after Ctrl-C continues exactly: the saved weights of a run stopped at a
+  step and resumed equal those of an unbroken run;
+- --resume --overwrite is refused;
+- --overwrite with a bad flag, or with a memory request the machine cannot have, leaves the old run
+  byte-identical;
+- each saved file truncated in turn makes --resume fail with one line and exit 2, nothing changed;
+- a diverging run never saves non-finite weights and exits non-zero.
+"""
+
+import dataclasses
+import importlib
+import os
+import shutil
+import signal
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from lib import rundir
+from tests.conftest import ROOT, TINY, torchrun
+
+
+@dataclasses.dataclass
+class Case:
+    script: str  # the module name of the top-level script
+    args: list  # a tiny run of a few optimizer steps, without --out-dir (the flag is out_flag)
+    stop_at: int  # Ctrl-C arrives once this many updates are done (fewer than the run's steps)
+    weights: tuple  # the saved weight files compared between the resumed and the unbroken run
+    bad_overwrite: list  # flag sets that must fail with --overwrite before anything is removed
+    diverge: list  # flags that make the run diverge (non-finite gradients or weights)
+    out_flag: str = "--out-dir"
+    saved: tuple = ()  # the saved files; by default the script's rundir.Spec's
+    torchrun: bool = False
+
+    def saved_files(self):
+        return self.saved or tuple(importlib.import_module(self.script).RUN.saved)
+
+
+GPT_TINY = [*TINY, "--steps", "4", "--eval-interval", "100", "--save-interval", "100", "--dropout", "0.1"]
+HUGE_BATCH = ["--batch-size", "100000000"]
+
+CASES = {
+    # --- the pretraining scripts --------------------------------------------------------------------
+    "train": Case("train", GPT_TINY, stop_at=2, weights=("model.safetensors",),
+                  bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"]),
+    # --- the fine-tuning scripts -------------------------------------------------------------------
+
+    # --- SPLADE --------------------------------------------------------------------------------------
+
+    # --- the judge scripts ---------------------------------------------------------------------------
+
+    # --- WPO-SGM -------------------------------------------------------------------------------------
+
+}
+
+
+def snapshot(directory):
+    """Every file under directory, with its bytes."""
+    out = {}
+    for root, _, names in os.walk(directory):
+        for name in names:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, directory)] = f.read()
+    return out
+
+
+def weights_of(directory, case):
+    tensors = {}
+    for name in case.weights:
+        tensors.update({f"{name}:{k}": v for k, v in load_file(os.path.join(directory, name)).items()})
+    return tensors
+
+
+def run_script(case, out_dir, *extra, data_flags=()):
+    """Run the script; returns its exit code (0 when main returned)."""
+    argv = [*case.args, *data_flags, case.out_flag, str(out_dir), *extra]
+    if case.torchrun:
+        proc = torchrun([f"{case.script}.py", *argv])
+        return proc.returncode, proc.stdout + proc.stderr
+    module = importlib.import_module(case.script)
+    try:
+        module.main(argv)
+    except SystemExit as e:
+        return (e.code if isinstance(e.code, int) else 1), ""
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    return 0, ""
+
+
+@pytest.fixture(scope="module")
+def data_flags(text_dir):
+    return {"train": ["--data", text_dir]}
+
+
+@pytest.fixture(scope="module")
+def unbroken(tmp_path_factory, data_flags):
+    """One finished tiny run per script, made once and copied by each test that needs one."""
+    made = {}
+
+    def get(name):
+        if name not in made:
+            case = CASES[name]
+            out = tmp_path_factory.mktemp(f"unbroken-{name}")
+            code, log = run_script(case, out, data_flags=data_flags.get(name, ()))
+            assert code == 0, log[-3000:]
+            made[name] = out
+        return made[name]
+
+    return get
+
+
+def one_error_line(capsys):
+    err = capsys.readouterr().err.strip().splitlines()
+    return err[-1] if err else ""
+
+
+@pytest.fixture(params=sorted(CASES))
+def case(request):
+    return request.param, CASES[request.param]
+
+
+def copy_of(unbroken, name, tmp_path):
+    out = tmp_path / "run"
+    shutil.copytree(unbroken(name), out)
+    return out
+
+
+def test_a_fresh_run_never_replaces_a_saved_one(case, unbroken, data_flags, tmp_path, capsys):
+    name, case = case
+    out = copy_of(unbroken, name, tmp_path)
+    before = snapshot(out)
+    code, log = run_script(case, out, data_flags=data_flags.get(name, ()))
+    assert code == 2
+    message = log if case.torchrun else one_error_line(capsys)
+    assert "already holds a saved run" in message and "--overwrite" in message, message
+    assert snapshot(out) == before
+
+
+def test_resume_with_overwrite_is_refused(case, unbroken, data_flags, tmp_path, capsys):
+    name, case = case
+    out = copy_of(unbroken, name, tmp_path)
+    before = snapshot(out)
+    code, log = run_script(case, out, "--resume", "--overwrite", data_flags=data_flags.get(name, ()))
+    assert code == 2 and "pass one of them" in (log if case.torchrun else one_error_line(capsys))
+    assert snapshot(out) == before
+
+
+def test_overwrite_checks_everything_before_it_removes_anything(case, unbroken, data_flags, tmp_path, capsys):
+    name, case = case
+    out = copy_of(unbroken, name, tmp_path)
+    before = snapshot(out)
+    for bad in case.bad_overwrite:
+        code, log = run_script(case, out, "--overwrite", *bad, data_flags=data_flags.get(name, ()))
+        assert code == 2, bad
+        message = log if case.torchrun else one_error_line(capsys)
+        assert message.startswith("error: ") or case.torchrun, message
+        assert snapshot(out) == before, bad
+
+
+def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(case, unbroken, data_flags, tmp_path, capsys):
+    name, case = case
+    out = copy_of(unbroken, name, tmp_path)
+    for saved in case.saved_files():
+        path = out / saved
+        if not path.is_file():
+            continue  # an optional file this run did not write
+        whole = path.read_bytes()
+        path.write_bytes(whole[: len(whole) // 2])
+        before = snapshot(out)
+        code, log = run_script(case, out, "--resume", data_flags=data_flags.get(name, ()))
+        message = log if case.torchrun else capsys.readouterr().err.strip()
+        assert code == 2, saved
+        assert case.torchrun or (len(message.splitlines()) == 1 and message.startswith("error: ")), message
+        assert str(path) in message or saved in message, message
+        assert snapshot(out) == before, saved
+        path.write_bytes(whole)
+
+
+def interrupt_after(monkeypatch, updates_done):
+    """Ctrl-C once `updates_done` optimizer updates are finished: rundir.Updates.record is called
+    after every update, so the save that follows holds exactly those updates."""
+    real = rundir.Updates.record
+
+    def record(self, step, skipped):
+        real(self, step, skipped)
+        if step + 1 == updates_done:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(rundir.Updates, "record", record)
+
+
+def test_ctrl_c_saves_and_resume_continues_exactly(case, unbroken, data_flags, tmp_path, monkeypatch):
+    name, case = case
+    out = tmp_path / "split"
+    flags = data_flags.get(name, ())
+    if case.torchrun:  # each rank sends itself SIGINT after the same update, as a terminal's Ctrl-C would
+        helper = tmp_path / "ctrl_c.py"
+        helper.write_text(textwrap.dedent(f"""
+            import os, signal, sys
+            sys.path.insert(0, {ROOT!r})
+            from lib import rundir
+            real = rundir.Updates.record
+            def record(self, step, skipped):
+                real(self, step, skipped)
+                if step + 1 == {case.stop_at}:
+                    os.kill(os.getpid(), signal.SIGINT)
+            rundir.Updates.record = record
+            import {case.script}
+            {case.script}.main(sys.argv[1:])
+        """))
+        proc = torchrun([str(helper), *case.args, *flags, case.out_flag, str(out)])
+        assert f"interrupted: saved step {case.stop_at}" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    else:
+        interrupt_after(monkeypatch, case.stop_at)
+        code, _ = run_script(case, out, data_flags=flags)
+        assert code == 130
+        monkeypatch.undo()
+    code, log = run_script(case, out, "--resume")  # no other flag: the saved run's own
+    assert code == 0, log[-3000:]
+    resumed, straight = weights_of(out, case), weights_of(unbroken(name), case)
+    assert sorted(resumed) == sorted(straight)
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=1e-6, msg=key)
+
+
+def test_a_diverging_run_never_saves_non_finite_weights(case, data_flags, tmp_path, capsys):
+    name, case = case
+    out = tmp_path / "diverge"
+    code, log = run_script(case, out, *case.diverge, data_flags=data_flags.get(name, ()))
+    assert code != 0
+    for root, _, names in os.walk(out):
+        for file in names:
+            if file.endswith(".safetensors"):
+                for key, t in load_file(os.path.join(root, file)).items():
+                    assert torch.isfinite(t).all(), f"{file}:{key}"

@@ -1,0 +1,187 @@
+"""lib/rundir.py: the run contract, on a toy script with a two-file saved run (no model, no data)."""
+
+import argparse
+import json
+import os
+import signal
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from lib import rundir
+from lib.errors import UserError
+
+SPEC = rundir.Spec(saved={"model.safetensors": "safetensors", "config.json": "json", "training_state.pt": "state",
+                          "best.json": "json"},
+                   optional=("best.json",), written=("metrics.jsonl", "samples"), same_step=("model.safetensors",),
+                   fixed=("width", "train_file", "seed"), changeable=("steps", "lr"), data=("train_file",))
+
+
+def parser():
+    p = argparse.ArgumentParser()
+    p.add_argument("--width", type=int, default=8)
+    p.add_argument("--train-file")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--lr", type=float, default=0.1)
+    p.add_argument("--out-dir")
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--overwrite", action="store_true")
+    return p
+
+
+def prepare(argv, log=None):
+    p = parser()
+    args = p.parse_args(argv)
+    messages = []
+    run = rundir.prepare(args, p, argv, SPEC, log=log or messages.append)
+    return run, args, messages
+
+
+def save_run(out, train_file, step=3, **flags):
+    """What a toy script writes: weights with their step, a config, the training state."""
+    run, args, _ = prepare(["--out-dir", str(out), "--train-file", str(train_file),
+                            *[f"--{k}={v}" for k, v in flags.items()]])
+    log = rundir.begin(run, args)
+    log.log(step=0, loss=1.0)
+    save_file({"w": torch.ones(2)}, str(out / "model.safetensors"), metadata={"step": str(step)})
+    (out / "config.json").write_text(json.dumps({"width": args.width}))
+    os.makedirs(out / "samples", exist_ok=True)
+    rundir.save_state(run, args, {"step": step})
+    return args
+
+
+def snapshot(d):
+    return {os.path.relpath(os.path.join(r, n), d): open(os.path.join(r, n), "rb").read()
+            for r, _, names in os.walk(d) for n in names}
+
+
+@pytest.fixture
+def saved(tmp_path):
+    data = tmp_path / "train.jsonl"
+    data.write_text('{"x": 1}\n{"x": 2}\n')
+    out = tmp_path / "run"
+    save_run(out, data, width=16, lr=0.5)
+    return out, data
+
+
+def test_fresh_run_into_a_saved_run_is_refused_and_overwrite_clears_only_at_begin(saved, tmp_path):
+    out, data = saved
+    before = snapshot(out)
+    with pytest.raises(UserError, match=r"already holds a saved run \(model.safetensors, config.json, training_state.pt\)"):
+        prepare(["--out-dir", str(out), "--train-file", str(data)])
+    run, args, _ = prepare(["--out-dir", str(out), "--train-file", str(data), "--overwrite"])
+    assert snapshot(out) == before  # every check passed, but nothing is removed before the first write
+    (out / "notes.txt").write_text("mine")  # not the run's: --overwrite must leave it alone
+    rundir.begin(run, args)
+    assert sorted(os.listdir(out)) == ["notes.txt"]
+
+
+def test_resume_and_overwrite_together_are_refused(saved):
+    out, data = saved
+    with pytest.raises(UserError, match="pass one of them"):
+        prepare(["--out-dir", str(out), "--resume", "--overwrite"])
+
+
+def test_resume_takes_the_saved_flags_refuses_contradictions_reports_changes(saved):
+    out, data = saved
+    run, args, messages = prepare(["--out-dir", str(out), "--resume"])
+    assert (args.width, args.lr, args.train_file, args.steps) == (16, 0.5, str(data), 10) and run.state["step"] == 3
+    assert messages == []
+    run, args, messages = prepare(["--out-dir", str(out), "--resume", "--lr", "0.25", "--width", "16"])
+    assert args.lr == 0.25 and messages == ["--resume: --lr changed from 0.5 to 0.25"]
+    with pytest.raises(UserError, match=r"--width 32 contradicts the saved run \(--width 16\)"):
+        prepare(["--out-dir", str(out), "--resume", "--width", "32"])
+
+
+def test_a_moved_data_file_is_accepted_when_its_contents_are_the_same(saved, tmp_path):
+    out, data = saved
+    moved = tmp_path / "elsewhere.jsonl"
+    os.rename(data, moved)
+    with pytest.raises(UserError, match="no longer exists; if it moved, pass its new path with --train-file"):
+        prepare(["--out-dir", str(out), "--resume"])
+    run, args, messages = prepare(["--out-dir", str(out), "--resume", "--train-file", str(moved)])
+    assert args.train_file == str(moved) and "moved" in messages[0]
+    moved.write_text('{"x": 1}\n{"x": 3}\n')  # same size, other contents
+    with pytest.raises(UserError, match=r"contradicts the saved run .*\(the contents differ\)"):
+        prepare(["--out-dir", str(out), "--resume", "--train-file", str(moved)])
+
+
+@pytest.mark.parametrize("name", ["model.safetensors", "config.json", "training_state.pt", "best.json"])
+def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(saved, name):
+    out, data = saved
+    if name == "best.json":
+        (out / name).write_text('{"step": 2}')
+    path = out / name
+    path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
+    before = snapshot(out)
+    with pytest.raises(UserError) as e:
+        prepare(["--out-dir", str(out), "--resume"])
+    assert str(path) in str(e.value) and "\n" not in str(e.value)
+    assert snapshot(out) == before
+
+
+def test_missing_and_mismatched_files(saved):
+    out, data = saved
+    save_file({"w": torch.ones(2)}, str(out / "model.safetensors"), metadata={"step": "2"})
+    with pytest.raises(UserError, match="from step 2 but .* from step 3; the save was interrupted"):
+        prepare(["--out-dir", str(out), "--resume"])
+    os.remove(out / "model.safetensors")
+    with pytest.raises(UserError, match="model.safetensors is missing"):
+        prepare(["--out-dir", str(out), "--resume"])
+    os.remove(out / "training_state.pt")
+    with pytest.raises(UserError, match="training_state.pt does not exist; run without --resume first"):
+        prepare(["--out-dir", str(out), "--resume"])
+
+
+def test_a_foreign_pickle_is_refused_without_running_it(saved, tmp_path):
+    out, data = saved
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, ("touch " + str(tmp_path / "pwned"),))
+
+    torch.save({"args": "{}", "x": Evil()}, out / "training_state.pt")
+    with pytest.raises(UserError, match="training_state.pt is damaged"):
+        prepare(["--out-dir", str(out), "--resume"])
+    assert not (tmp_path / "pwned").exists()
+
+
+def test_updates_stop_after_ten_skipped_in_a_row_and_a_run_without_updates_fails():
+    updates = rundir.Updates("OUT", last_saved=4)
+    for step in range(9):
+        updates.record(step, skipped=True)
+    updates.record(9, skipped=False)  # one good update resets the count
+    for step in range(10, 19):
+        updates.record(step, skipped=True)
+    with pytest.raises(UserError, match=r"not finite for 10 steps in a row \(steps 10 to 19\).*last finite checkpoint is step 4"):
+        updates.record(19, skipped=True)
+    updates.finish()  # one update was applied
+    nothing = rundir.Updates("OUT")
+    for step in range(3):
+        nothing.record(step, skipped=True)
+    with pytest.raises(UserError, match="no update was applied: all 3 were skipped"):
+        nothing.finish()
+    rundir.Updates("OUT").finish()  # --steps 0: nothing tried, nothing to report
+    with pytest.raises(UserError, match="the loss became nan at step 5; stopped before the update"):
+        nothing.check_loss(5, float("nan"))
+
+
+def test_save_on_interrupt_saves_prints_and_exits_130(capsys):
+    calls = []
+    with pytest.raises(SystemExit) as e:
+        rundir.save_on_interrupt(lambda: calls.append("saved"), 7, "OUT")
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert e.value.code == 130 and calls == ["saved"]
+    assert "interrupted: saved step 7 to OUT; continue with --resume" in capsys.readouterr().err
+
+
+def test_fingerprint_of_a_directory_covers_names_and_bytes(tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "x.txt").write_text("hello")
+    first = rundir.fingerprint(str(a))
+    (a / "x.txt").rename(a / "y.txt")
+    assert rundir.fingerprint(str(a)) != first
+    assert rundir.fingerprint("stdlib") is None
