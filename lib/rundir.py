@@ -61,6 +61,9 @@ class Spec:
     data: of the fixed flags, those naming data files or directories: a moved file may be given again
         with --resume when its contents are the same.
     same_step: safetensors files whose metadata "step" must equal the training state's step.
+    local: the script's own flags that say how to run this invocation rather than what the run is
+        (with PER_INVOCATION: --out-dir, --resume, --device, ...): they never come from the saved run.
+        Every flag of a script is fixed, changeable or local (tests/test_run_contract.py checks this).
     state_file: where the training state lives; its "args" holds the run's flags.
     out_flag: the flag that names the directory, for messages.
     """
@@ -71,6 +74,7 @@ class Spec:
     optional: tuple = ()
     written: tuple = (METRICS,)
     same_step: tuple = ()
+    local: tuple = ()
     state_file: str = STATE
     out_flag: str = "--out-dir"
 

@@ -20,6 +20,7 @@ import os
 import shutil
 import signal
 import textwrap
+from typing import Callable
 
 import pytest
 import torch
@@ -40,6 +41,7 @@ class Case:
     out_flag: str = "--out-dir"
     saved: tuple = ()  # the saved files; by default the script's rundir.Spec's
     torchrun: bool = False
+    make_data: Callable = None  # (directory to write in, a directory of Python source) -> data flags
 
     def saved_files(self):
         return self.saved or tuple(importlib.import_module(self.script).RUN.saved)
@@ -51,7 +53,8 @@ HUGE_BATCH = ["--batch-size", "100000000"]
 CASES = {
     # --- the pretraining scripts --------------------------------------------------------------------
     "train": Case("train", GPT_TINY, stop_at=2, weights=("model.safetensors",),
-                  bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"]),
+                  bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
+                  make_data=lambda tmp, source: ["--data", source]),
     # --- the fine-tuning scripts -------------------------------------------------------------------
 
     # --- SPLADE --------------------------------------------------------------------------------------
@@ -98,8 +101,10 @@ def run_script(case, out_dir, *extra, data_flags=()):
 
 
 @pytest.fixture(scope="module")
-def data_flags(text_dir):
-    return {"train": ["--data", text_dir]}
+def data_flags(text_dir, tmp_path_factory):
+    """Each script's data flags, its small data set made once."""
+    return {name: case.make_data(tmp_path_factory.mktemp(f"data-{name}"), text_dir) if case.make_data else []
+            for name, case in CASES.items()}
 
 
 @pytest.fixture(scope="module")
@@ -243,3 +248,17 @@ def test_a_diverging_run_never_saves_non_finite_weights(case, data_flags, tmp_pa
             if file.endswith(".safetensors"):
                 for key, t in load_file(os.path.join(root, file)).items():
                     assert torch.isfinite(t).all(), f"{file}:{key}"
+
+
+def test_every_flag_is_fixed_changeable_or_local(case):
+    """A flag --resume does not know about would silently take today's value: each script declares all."""
+    name, case = case
+    module = importlib.import_module(case.script)
+    if not hasattr(module, "RUN"):
+        pytest.skip(f"{case.script} keeps a compact inline copy of the contract")
+    parser = module.build_parser() if hasattr(module, "build_parser") else module.make_parser()
+    spec = module.RUN
+    known = {*spec.fixed, *spec.changeable, *spec.local, *rundir.PER_INVOCATION, "help"}
+    unknown = sorted({a.dest for a in parser._actions} - known)
+    assert not unknown, f"{case.script}: declare these in RUN (fixed, changeable or local): {unknown}"
+    assert not set(spec.fixed) & set(spec.changeable)
