@@ -25,7 +25,6 @@ training loop, save, report. The helpers above run() are the FSDP-specific steps
 
 import argparse
 import functools
-import json
 import math
 import os
 import shutil
@@ -45,7 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from safetensors import SafetensorError, safe_open
 from torch.utils.checkpoint import checkpoint as recompute
 
-from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, tokenizer
+from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, rundir, tokenizer
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -132,16 +131,56 @@ def make_parser():
     return p
 
 
-# --resume continues the saved run: these flags would change what it is (model, data, the windows a step
-# reads), so given explicitly they must match it, and unset they take the saved values. The rest may change:
-# given, they are reported; unset, they keep the saved values (except --device: it may be another machine).
-RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
-                "batch_size", "grad_accum")
-RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                     "eval_interval", "eval_batches", "save_interval", "log_interval", "device", "dtype",
-                     "reshard_after_forward", "cpu_offload", "activation_checkpointing", "export",
-                     "sample_tokens", "prompt", "temperature", "top_k")
-MAX_SKIPPED = 10  # consecutive updates skipped for a non-finite gradient before the run stops
+def check_shards(path):
+    """sharded/latest.json and the shard files it names, checked before anything is written (on every rank, so
+    all of them stop with the same line): the DCP .metadata readable, every .distcp file as long as the largest
+    offset + length it must hold, every rank's RNG state readable."""
+    latest = rundir.read_json(path)
+    if not isinstance(latest, dict) or not {"step", "checkpoint", "world_size", "config"} <= set(latest):
+        raise rundir.damaged(path, "not a train_fsdp.py latest.json: it needs step, checkpoint, world_size, config")
+    step_dir = os.path.join(os.path.dirname(path), latest["checkpoint"])
+
+    def read(name, reader):
+        file = os.path.join(step_dir, name)
+        if not os.path.isfile(file):
+            raise UserError(f"--resume: {file} is missing, so the sharded checkpoint {step_dir} is incomplete; start "
+                            f"again with --overwrite")
+        try:
+            return reader(file)
+        except Exception as e:  # a truncated pickle or zip: name the file, not where its reader failed
+            raise rundir.damaged(file, type(e).__name__) from None
+
+    # .metadata says, for every piece of every tensor, which file holds it, at which offset, how many bytes.
+    storage = read(".metadata", lambda _: dcp.FileSystemReader(step_dir).read_metadata().storage_data)
+    for rank in range(latest["world_size"]):
+        read(f"rng-rank{rank}.pt", lambda file: torch.load(file, weights_only=True))
+    needed = {}
+    for piece in storage.values():
+        needed[piece.relative_path] = max(needed.get(piece.relative_path, 0), piece.offset + piece.length)
+    for name, end in sorted(needed.items()):
+        size = read(name, os.path.getsize)
+        if size < end:
+            raise rundir.damaged(os.path.join(step_dir, name), f"truncated: its tensors end at byte {end:,}, the "
+                                                               f"file has {size:,}")
+
+
+# The run directory (lib/rundir.py). What a saved run is: the newest sharded checkpoint, which latest.json names
+# (the training state: step, config, the run's flags), and the exported model. The fixed flags make the run what
+# it is (the model, the data, the windows a step reads); the changeable ones may differ on --resume, and are
+# reported when they do. How the tensors are sharded is changeable too: DCP reshards on load.
+RUN = rundir.Spec(
+    saved={os.path.join(SHARDED, LATEST): check_shards, checkpoint.CONFIG: "json", checkpoint.WEIGHTS: "safetensors"},
+    optional=(checkpoint.CONFIG, checkpoint.WEIGHTS),  # the export: none with --no-export, or before the end
+    written=(rundir.METRICS, SHARDED),
+    state_file=os.path.join(SHARDED, LATEST),
+    fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
+           "batch_size", "grad_accum"),
+    changeable=("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "reshard_after_forward",
+                "cpu_offload", "activation_checkpointing", "export", "sample_tokens", "prompt", "temperature",
+                "top_k", "peak_flops"),
+    data=("data",),
+)
 
 
 def check_args(args):
@@ -151,14 +190,9 @@ def check_args(args):
         raise UserError("--dtype fp16 would need a sharded GradScaler (fp16 gradients underflow), which this script "
                         "leaves out; use --dtype bf16 on a GPU that has it, or fp32")
     devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
-    guards.check_output_dir(args.out_dir)
     guards.check_cache_dir(args.cache_dir)
-    if not args.estimate_memory:  # a run writes both; find out now whether it can
-        guards.make_output_dir(args.out_dir)
-        if args.init_from or not data.is_prepared(args.data):
-            guards.make_output_dir(args.cache_dir, "--cache-dir")
-        guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite,
-                                names=(*guards.CHECKPOINT_FILES, os.path.join(SHARDED, LATEST)))
+    if not args.estimate_memory and (args.init_from or not data.is_prepared(args.data)):
+        guards.make_output_dir(args.cache_dir, "--cache-dir")  # a run writes there; find out now whether it can
 
 
 def main(argv=None):
@@ -354,22 +388,15 @@ def evaluate(model, batches, n_batches, device):
     return total.item() / n_batches
 
 
-def read_latest(out_dir):
-    path = os.path.join(out_dir, SHARDED, LATEST)
-    if not os.path.isfile(path):
-        raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass the --out-dir of an "
-                        f"earlier train_fsdp.py run")
-    with open(path) as f:
-        return json.load(f)
-
-
-def save_sharded(out_dir, model, optimizer, step, cfg, args, first_val=None):
+def save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates):
     """Every rank writes its own shard of the weights and AdamW state (torch.distributed.checkpoint);
-    then rank 0 points latest.json at the new directory and removes the older ones.
+    then rank 0 points latest.json at the new directory and removes the older ones. step = the next step
+    to run. Shards holding NaN or inf are never saved: every rank stops, naming the last finite save.
 
     latest.json is written last and atomically, so a save cut short leaves the previous one in charge.
     """
-    root = os.path.join(out_dir, SHARDED)
+    root = os.path.join(run_dir.out_dir, SHARDED)
+    check_finite_shards(model, step, updates.last_saved, root)
     name = f"step-{step:06d}"
     path = os.path.join(root, name)
     if dist.get_rank() == 0 and os.path.isdir(path):
@@ -382,13 +409,13 @@ def save_sharded(out_dir, model, optimizer, step, cfg, args, first_val=None):
     torch.save(torch.get_rng_state(), os.path.join(path, f"rng-rank{dist.get_rank()}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
-        checkpoint.save_json(os.path.join(root, LATEST), {"step": step, "checkpoint": name,
-                                                          "world_size": dist.get_world_size(),
-                                                          "config": vars(cfg), "args": vars(args),
-                                                          "first_val_loss": first_val})
+        checkpoint.save_json(os.path.join(root, LATEST), {
+            "step": step, "checkpoint": name, "world_size": dist.get_world_size(), "config": vars(cfg),
+            "args": vars(args), "data_sha256": run_dir.fingerprints, "first_val_loss": first_val})
         for old in os.listdir(root):
             if old.startswith("step-") and old != name:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    updates.saved(step)
 
 
 def load_sharded(out_dir, model, optimizer, latest):
@@ -421,18 +448,12 @@ def export_hf(out_dir, model, cfg, step):
 def run(args, parser, argv):
     # --- checks before any work -------------------------------------------------------------------
     check_args(args)
-    latest = read_latest(args.out_dir) if args.resume else None
-    if latest is not None:
-        saved_args = latest.get("args", {})
-        given = guards.explicit_flags(args, parser, argv)
-        for key in RESUME_CHANGEABLE:  # not given: as the saved run had it (the device is this machine's)
-            if key not in given and key in saved_args and key != "device":
-                setattr(args, key, saved_args[key])
-        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
-                                  log=print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None), argv=argv)
-        for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
-            if key in saved_args:
-                setattr(args, key, saved_args[key])
+    # The run directory: a saved run is never replaced without --overwrite; --resume validates latest.json and
+    # every shard file it names, and takes the saved run's flags (lib/rundir.py). Every rank checks.
+    main_rank = int(os.environ.get("RANK", 0)) == 0
+    run_dir = rundir.prepare(args, parser, argv, RUN, log=print if main_rank else (lambda *a: None),
+                             writes=not args.estimate_memory)
+    latest = run_dir.state  # sharded/latest.json of the run being resumed, or None
 
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)
@@ -545,17 +566,13 @@ def run(args, parser, argv):
             raise UserError(f"--resume: {args.out_dir} is already at step {latest['step']}; pass --steps {latest['step']} or more")
         load_sharded(args.out_dir, model, optimizer, latest)
         start_step, first_val = latest["step"], latest.get("first_val_loss")
-        check_finite_shards(model, start_step, None, args.out_dir)
         log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)" +
             ("" if args.steps > start_step else f"; it already ran its --steps {args.steps}, pass a larger --steps"))
     _, text = memory_report("at start", held_bytes(model, optimizer), device)
     log(text)
 
     # --- training loop ----------------------------------------------------------------------------
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    if is_main:
-        guards.start_metrics(metrics_path, args.resume)  # a fresh run starts a fresh log
-    metrics_log = metrics.MetricsLog(metrics_path, enabled=is_main)
+    metrics_log = rundir.begin(run_dir, args, is_main)  # the first write; --overwrite clears only now
     metrics_log.log(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
                     n_params=n_params, params_per_rank=params_per_rank, config=vars(cfg), args=vars(args))
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
@@ -565,10 +582,12 @@ def run(args, parser, argv):
     # the collective save together instead of one leaving while the others wait in an all-gather.
     stop = {"requested": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))
-    step, last_saved = start_step, start_step
-    last_finite = start_step if latest is not None else None  # only finite weights are ever saved
+    # next_step is what a checkpoint records: it moves only once the step's update has been applied.
+    next_step = start_step
+    # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
+    updates = rundir.Updates(os.path.join(args.out_dir, SHARDED), last_saved=start_step if run_dir.resumed else None)
     held = held_bytes(model, optimizer)
-    val_loss, skipped_in_a_row = None, 0
+    val_loss = None
     timed_tokens, timed_seconds = 0, 0.0
     try:
         for step in range(start_step, args.steps):
@@ -594,10 +613,7 @@ def run(args, parser, argv):
                 loss.backward()
                 loss_sum += loss.detach()
             loss_value = distributed.all_reduce_mean(loss_sum, dist_info).item()
-            if not math.isfinite(loss_value):
-                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, "
-                                f"{guards.last_finite_text(last_finite, args.out_dir + '/' + SHARDED)}; "
-                                f"lower --lr or check the data")
+            updates.check_loss(step, loss_value)
             # The gradients are DTensors: the norm of each local slice is summed over ranks inside.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
             grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
@@ -606,21 +622,17 @@ def run(args, parser, argv):
             skipped = not math.isfinite(grad_norm)
             if not skipped:
                 optimizer.step()
-            skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-            if skipped:
-                log(f"step {step}: gradient norm {grad_norm}, update skipped")
-            if skipped_in_a_row >= MAX_SKIPPED:
-                raise UserError(f"the gradient norm was not finite for {MAX_SKIPPED} steps in a row (steps "
-                                f"{step - MAX_SKIPPED + 1} to {step}); stopped, "
-                                f"{guards.last_finite_text(last_finite, args.out_dir + '/' + SHARDED)}; "
-                                f"lower --lr or check the data")
             if step == args.steps - 1:
                 held = held_bytes(model, optimizer)  # the only moment gradients and AdamW state both exist
             optimizer.zero_grad(set_to_none=True)
+            next_step = step + 1
             speed.add(tokens_per_step)
             if step > start_step:  # the first step pays for warm-up; leave it out of the average
                 timed_tokens += tokens_per_step
                 timed_seconds += time.perf_counter() - t0
+            if skipped:
+                log(f"step {step}: gradient norm {grad_norm}, update skipped")
+            updates.record(step, skipped)  # stops after 10 skipped in a row
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if skipped:
@@ -634,35 +646,28 @@ def run(args, parser, argv):
                 log(metrics.progress_line(step, args.steps, loss_value, lr, tok_s, mfu, mem, eta, " (rank 0)"))
             metrics_log.log(**record)
 
-            flag = torch.tensor(float(stop["requested"]), device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item():
-                raise KeyboardInterrupt
-            if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
-                check_finite_shards(model, step + 1, last_finite, args.out_dir + "/" + SHARDED)
-                save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args, first_val)
-                last_saved = last_finite = step + 1
-        step = args.steps
-    except KeyboardInterrupt:
-        # Raised only after a finished step that every rank agreed on, so step + 1 is the next to run.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT; finish the save
-        check_finite_shards(model, step + 1, last_finite, args.out_dir + "/" + SHARDED)
-        save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args, first_val)
-        log(f"\ninterrupted: saved step {step + 1} to {args.out_dir}/{SHARDED}; continue with --resume", file=sys.stderr)
-        dist.barrier()
-        dist.destroy_process_group()
-        distributed.exit_interrupted()  # 130; torchrun itself still ends with its SignalException line
+            stop_now = torch.tensor(float(stop["requested"]), device=device)
+            dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank learns whether any rank saw Ctrl-C
+            if stop_now.item():
+                raise KeyboardInterrupt  # on every rank, after the same finished step
+            if next_step % args.save_interval == 0 and next_step < args.steps:
+                save_sharded(run_dir, model, optimizer, next_step, cfg, args, first_val, updates)
+    except KeyboardInterrupt:  # save exactly the updates made so far (collectively), then exit 130
+        rundir.save_on_interrupt(lambda: save_sharded(run_dir, model, optimizer, next_step, cfg, args, first_val,
+                                                      updates), next_step, args.out_dir, is_main,
+                                 cleanup=lambda: distributed.cleanup(dist_info))
     finally:
         signal.signal(signal.SIGINT, previous_handler)
+    step = next_step
+    updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 
     # --- save -------------------------------------------------------------------------------------
     if args.steps > start_step or not args.resume:
         val_loss = evaluate(model, val_batches, args.eval_batches, device)
         log(f"step {step}: val loss {val_loss:.4f}" + (f" (started at {first_val:.4f})" if first_val else ""))
         metrics_log.log(step=step, val_loss=val_loss)
-    check_finite_shards(model, step, last_finite, args.out_dir + "/" + SHARDED)
-    if step > last_saved or latest is None:
-        save_sharded(args.out_dir, model, optimizer, step, cfg, args, first_val)
+    if updates.last_saved != step:
+        save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates)
         log(f"saved sharded checkpoint {args.out_dir}/{SHARDED}/step-{step:06d} ({world} shard file{'s' if world > 1 else ''})")
     if args.export:
         export_hf(args.out_dir, model, cfg, step)

@@ -16,7 +16,9 @@ it to CASES below. Each case runs the script in-process (its main(argv)) with ti
 
 import dataclasses
 import importlib
+import inspect
 import os
+import re
 import shutil
 import signal
 import textwrap
@@ -42,6 +44,9 @@ class Case:
     saved: tuple = ()  # the saved files; by default the script's rundir.Spec's
     torchrun: bool = False
     make_data: Callable = None  # (directory to write in, a directory of Python source) -> data flags
+    # What Ctrl-C is sent from: a method called once per optimizer step, after the update, with a `step`
+    # argument (onefile_train.py has no lib/ and its own compact copy of rundir.Updates).
+    hook: str = "lib.rundir.Updates.record"
 
     def saved_files(self):
         return self.saved or tuple(importlib.import_module(self.script).RUN.saved)
@@ -55,6 +60,13 @@ CASES = {
     "train": Case("train", GPT_TINY, stop_at=2, weights=("model.safetensors",),
                   bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
                   make_data=lambda tmp, source: ["--data", source]),
+    # Two ranks, and each launch costs seconds: of the saved files, latest.json (the training state), the DCP
+    # metadata and one rank's shard file are truncated in turn (the export is train.py's safetensors check).
+    "train_fsdp": Case("train_fsdp", GPT_TINY, stop_at=2, weights=("model.safetensors",), torchrun=True,
+                       saved=("sharded/latest.json", "sharded/step-000004/.metadata",
+                              "sharded/step-000004/__1_0.distcp"),
+                       bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
+                       make_data=lambda tmp, source: ["--data", source]),
     # --- the fine-tuning scripts -------------------------------------------------------------------
 
     # --- SPLADE --------------------------------------------------------------------------------------
@@ -89,7 +101,10 @@ def run_script(case, out_dir, *extra, data_flags=()):
     argv = [*case.args, *data_flags, case.out_flag, str(out_dir), *extra]
     if case.torchrun:
         proc = torchrun([f"{case.script}.py", *argv])
-        return proc.returncode, proc.stdout + proc.stderr
+        # torchrun itself exits 1 when a worker fails (and stops the others): the first failure's code is in
+        # its report.
+        first = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", proc.stderr, re.S)
+        return (int(first.group(1)) if first else proc.returncode), proc.stdout + proc.stderr
     module = importlib.import_module(case.script)
     try:
         module.main(argv)
@@ -191,17 +206,20 @@ def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(case, unbrok
         path.write_bytes(whole)
 
 
-def interrupt_after(monkeypatch, updates_done):
-    """Ctrl-C once `updates_done` optimizer updates are finished: rundir.Updates.record is called
-    after every update, so the save that follows holds exactly those updates."""
-    real = rundir.Updates.record
+def interrupt_after(monkeypatch, updates_done, hook="lib.rundir.Updates.record"):
+    """Ctrl-C once `updates_done` optimizer updates are finished: the hook (rundir.Updates.record) is
+    called after every update, so the save that follows holds exactly those updates."""
+    module, owner, name = hook.rsplit(".", 2)
+    owner = getattr(importlib.import_module(module), owner)
+    real = getattr(owner, name)
 
-    def record(self, step, skipped):
-        real(self, step, skipped)
-        if step + 1 == updates_done:
+    def record(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if inspect.signature(real).bind(*args, **kwargs).arguments["step"] + 1 == updates_done:
             raise KeyboardInterrupt
+        return result
 
-    monkeypatch.setattr(rundir.Updates, "record", record)
+    monkeypatch.setattr(owner, name, record)
 
 
 def test_ctrl_c_saves_and_resume_continues_exactly(case, unbroken, data_flags, tmp_path, monkeypatch):
@@ -226,7 +244,7 @@ def test_ctrl_c_saves_and_resume_continues_exactly(case, unbroken, data_flags, t
         proc = torchrun([str(helper), *case.args, *flags, case.out_flag, str(out)])
         assert f"interrupted: saved step {case.stop_at}" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     else:
-        interrupt_after(monkeypatch, case.stop_at)
+        interrupt_after(monkeypatch, case.stop_at, case.hook)
         code, _ = run_script(case, out, data_flags=flags)
         assert code == 130
         monkeypatch.undo()
