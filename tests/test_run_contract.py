@@ -54,6 +54,19 @@ class Case:
 
 GPT_TINY = [*TINY, "--steps", "4", "--eval-interval", "100", "--save-interval", "100", "--dropout", "0.1"]
 HUGE_BATCH = ["--batch-size", "100000000"]
+# The fine-tuning scripts: 4 steps of 2 x 32 tokens in fp32 (finetune_qlora.py's --dtype auto would time bf16).
+FT_TINY = ["--batch-size", "2", "--eval-batches", "1", "--sample-tokens", "0", "--log-interval", "1", "--steps", "4",
+           "--eval-interval", "100", "--save-interval", "100", "--lora-dropout", "0.1", "--dtype", "fp32"]
+
+
+def base_and_data(tmp, source):
+    """A seeded, untrained GPT of 2 layers, 64 wide, saved as a Hugging Face GPT-2 directory: the base."""
+    from lib import checkpoint, gpt
+
+    torch.manual_seed(0)
+    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    checkpoint.save_hf(str(tmp / "base"), cfg, gpt.to_hf_state_dict(gpt.GPT(cfg)))
+    return ["--init-from", str(tmp / "base"), "--data", source]
 
 CASES = {
     # --- the pretraining scripts --------------------------------------------------------------------
@@ -68,6 +81,14 @@ CASES = {
                        bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
                        make_data=lambda tmp, source: ["--data", source]),
     # --- the fine-tuning scripts -------------------------------------------------------------------
+    # A seeded 2-layer base in the Hugging Face layout; --merge, so that OUT/merged is part of the saved run.
+    "finetune_lora": Case("finetune_lora", [*FT_TINY, "--merge"], stop_at=2,
+                          weights=("adapter_model.safetensors", "merged/model.safetensors"),
+                          bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
+                          diverge=["--lr", "1e38", "--grad-clip", "0"], make_data=base_and_data),
+    "finetune_qlora": Case("finetune_qlora", FT_TINY, stop_at=2, weights=("adapter_model.safetensors",),
+                           bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
+                           diverge=["--lr", "1e38", "--grad-clip", "0"], make_data=base_and_data),
 
     # --- SPLADE --------------------------------------------------------------------------------------
 
