@@ -44,9 +44,10 @@ class Case:
     saved: tuple = ()  # the saved files; by default the script's rundir.Spec's
     torchrun: bool = False
     make_data: Callable = None  # (directory to write in, a directory of Python source) -> data flags
-    # What Ctrl-C is sent from: a method called once per optimizer step, after the update, with a `step`
-    # argument (onefile_train.py has no lib/ and its own compact copy of rundir.Updates).
-    hook: str = "lib.rundir.Updates.record"
+    # What Ctrl-C is sent from, "module:attribute": a function called once per optimizer step with a `step`
+    # argument. rundir.Updates.record comes after the update, so the save holds stop_at updates; onefile_train.py
+    # (no lib/) has its lr_at, called before the update: its save holds stop_at - 1.
+    hook: str = "lib.rundir:Updates.record"
 
     def saved_files(self):
         return self.saved or tuple(importlib.import_module(self.script).RUN.saved)
@@ -80,6 +81,12 @@ CASES = {
                               "sharded/step-000004/__1_0.distcp"),
                        bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
                        make_data=lambda tmp, source: ["--data", source]),
+    # The compact inline contract (no lib/): its saved files and its hook are named here.
+    "onefile_train": Case("onefile_train", [*GPT_TINY[:GPT_TINY.index("--sample-tokens")],
+                                            *GPT_TINY[GPT_TINY.index("--sample-tokens") + 2:]], stop_at=2, weights=("model.safetensors",), saved=("model.safetensors", "training_state.pt"),
+                          bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
+                          diverge=["--lr", "1e38", "--grad-clip", "0"], hook="onefile_train:lr_at",
+                          make_data=lambda tmp, source: ["--data", source]),
     # --- the fine-tuning scripts -------------------------------------------------------------------
     # A seeded 2-layer base in the Hugging Face layout; --merge, so that OUT/merged is part of the saved run.
     "finetune_lora": Case("finetune_lora", [*FT_TINY, "--merge"], stop_at=2,
@@ -227,11 +234,14 @@ def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(case, unbrok
         path.write_bytes(whole)
 
 
-def interrupt_after(monkeypatch, updates_done, hook="lib.rundir.Updates.record"):
-    """Ctrl-C once `updates_done` optimizer updates are finished: the hook (rundir.Updates.record) is
-    called after every update, so the save that follows holds exactly those updates."""
-    module, owner, name = hook.rsplit(".", 2)
-    owner = getattr(importlib.import_module(module), owner)
+def interrupt_after(monkeypatch, updates_done, hook="lib.rundir:Updates.record"):
+    """Ctrl-C once `updates_done` optimizer updates are finished: rundir.Updates.record is called
+    after every update, so the save that follows holds exactly those updates."""
+    module, attribute = hook.split(":")
+    owner = importlib.import_module(module)
+    for name in attribute.split(".")[:-1]:
+        owner = getattr(owner, name)
+    name = attribute.split(".")[-1]
     real = getattr(owner, name)
 
     def record(*args, **kwargs):
