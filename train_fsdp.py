@@ -44,6 +44,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from safetensors import SafetensorError, safe_open
 from torch.utils.checkpoint import checkpoint as recompute
 
+import train
 from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, rundir, tokenizer
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
@@ -105,7 +106,8 @@ def make_parser():
                    "(MixedPrecisionPolicy); auto = bf16 on CUDA GPUs that have it, fp32 elsewhere; fp16 is refused "
                    "(it would need a sharded GradScaler)")
     g.add_argument("--seed", type=guards.nonneg_int, default=1337, help="the same on every rank: weights, data order")
-    g.add_argument("--out-dir", default="out/train_fsdp", help="sharded checkpoints, metrics.jsonl and the exported model")
+    g.add_argument("--out-dir", default="out/train_fsdp",
+                   help="sharded checkpoints, metrics.jsonl and the exported model")
     g.add_argument("--resume", action="store_true", help="continue from the newest sharded checkpoint in --out-dir")
     guards.add_safety_flags(g)
     g.add_argument("--export", action=argparse.BooleanOptionalAction, default=True,
@@ -213,7 +215,8 @@ def join_process_group(device):
     needs a process group even when there is nobody to share with (an in-process store needs no port)."""
     info = distributed.setup(device.type)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     return info
 
 
@@ -307,7 +310,8 @@ def load_pretrained_shards(model, cfg, model_dir):
             checkpoint.check_state_dict(shapes, cfg, path)  # names and shapes first: a wrong file fails at once
             for name, p in model.named_parameters():  # the tied weight is listed once, as transformer.wte.weight
                 full = f.get_tensor(names[name])
-                full = (full.t() if name.endswith(gpt.CONV1D_NAMES) else full).to(p.device_mesh.device_type, torch.float32)
+                full = full.t() if name.endswith(gpt.CONV1D_NAMES) else full
+                full = full.to(p.device_mesh.device_type, torch.float32)
                 p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
                 del full
     except (SafetensorError, OSError) as e:
@@ -322,7 +326,8 @@ def check_finite_shards(model, step, last_finite, out_dir):
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if count.item():
         raise UserError(f"weights are not finite at step {step} (e.g. {bad[0] if bad else 'on another rank'}); "
-                        f"nothing was saved, {guards.last_finite_text(last_finite, out_dir)}; lower --lr or check the data")
+                        f"nothing was saved, {guards.last_finite_text(last_finite, out_dir)}; lower --lr or check "
+                        f"the data")
 
 
 @torch.no_grad()
@@ -362,9 +367,11 @@ def memory_report(when, held, device):
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     fb = metrics.format_bytes
-    lines = [f"memory per rank {when} (local DTensor shards; unsharded model in brackets; peak = {devices.memory_label(device)}):"]
+    lines = [f"memory per rank {when} (local DTensor shards; unsharded model in brackets; peak = "
+             f"{devices.memory_label(device)}):"]
     for r, m in enumerate(ranks):
-        cells = "  ".join(f"{k} {fb(m[k]):>10} [{fb(m[k + '_unsharded'])}]" for k in ("parameters", "gradients", "optimizer"))
+        cells = "  ".join(f"{k} {fb(m[k]):>10} [{fb(m[k + '_unsharded'])}]"
+                          for k in ("parameters", "gradients", "optimizer"))
         lines.append(f"  rank {r}: {cells}  peak {fb(m['peak'])}")
     return ranks, "\n".join(lines)
 
@@ -418,11 +425,13 @@ def save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates)
     updates.saved(step)
 
 
-def load_sharded(out_dir, model, optimizer, latest):
-    """Each rank reads the slices it owns now; DCP reshards, so the saving run may have had another N."""
-    path = os.path.join(out_dir, SHARDED, latest["checkpoint"])
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise UserError(f"{path} is incomplete (no .metadata); the save was interrupted, start again without --resume")
+def load_sharded(args, model, optimizer, latest, log):
+    """Each rank reads the slices it owns now; DCP reshards, so the saving run may have had another N.
+    Returns (the step to continue from, the run's first validation loss)."""
+    if args.steps < latest["step"]:
+        raise UserError(f"--resume: {args.out_dir} is already at step {latest['step']}; pass --steps "
+                        f"{latest['step']} or more")
+    path = os.path.join(args.out_dir, SHARDED, latest["checkpoint"])
     model_sd, optim_sd = get_state_dict(model, optimizer)
     del model_sd[TIED]
     state = {"model": model_sd, "optimizer": optim_sd}
@@ -432,6 +441,9 @@ def load_sharded(out_dir, model, optimizer, latest):
     rng = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
     if os.path.isfile(rng):
         torch.set_rng_state(torch.load(rng, weights_only=True))
+    log(f"resuming from step {latest['step']} in {args.out_dir} (saved by {latest['world_size']} ranks)" +
+        ("" if args.steps > latest["step"] else f"; it already ran its --steps {args.steps}, pass a larger --steps"))
+    return latest["step"], latest.get("first_val_loss")
 
 
 def export_hf(out_dir, model, cfg, step):
@@ -443,6 +455,25 @@ def export_hf(out_dir, model, cfg, step):
         plain.load_state_dict(full, assign=True)  # a plain GPT around the gathered tensors, for to_hf_state_dict
         checkpoint.save_hf(out_dir, cfg, gpt.to_hf_state_dict(plain), step=step)
     dist.barrier()
+
+
+def print_estimate(cfg, n_params, block_size, estimate, args, mesh, mp_dtype, device, log):
+    """--estimate-memory: the per-rank estimate beside the unsharded (DDP) one, and each rank's parameter count
+    from a meta model sharded for real (FSDP's counts, padding included, with no memory used)."""
+    world = mesh.size()
+    sharded = build_sharded_model(cfg, mesh, args, mp_dtype, offload=False)
+    counts = [None] * world
+    dist.all_gather_object(counts, sum(local(p).numel() for p in sharded.parameters()))
+    unsharded = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type,
+                                             mp_dtype is not None, checkpointing=args.activation_checkpointing)
+    log("parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
+        + f" (of {n_params:,}; {n_params / world:,.0f} = 1/{world} each)")
+    log(memory.format_columns({f"FSDP2, 1 of {world}": estimate, "DDP / unsharded": unsharded},
+                              f"memory estimate per rank (lib/memory.py, batch {args.batch_size} x {block_size}, "
+                              f"{'bf16' if mp_dtype else 'fp32'}):"))
+    log("activations and logits belong to each rank's own micro-batch and are never sharded: lower "
+        "--batch-size, add --activation-checkpointing (and --mixed-precision bf16 on a GPU) to shrink them")
+    return {"estimate": estimate, "unsharded": unsharded, "params_per_rank": counts, "n_params": n_params}
 
 
 def run(args, parser, argv):
@@ -471,32 +502,11 @@ def run(args, parser, argv):
         raise UserError(f"--cpu-offload moves shards from GPU memory to host RAM, but the device is {device.type} "
                         f"(already host memory); drop --cpu-offload or run on CUDA")
 
-    # --- model configuration --------------------------------------------------------------------
-    # Only config.json is read here: the memory check below comes before any weight is read or downloaded.
-    if latest is not None:
-        cfg = gpt.GPTConfig(**latest["config"])
-    elif args.init_from:
-        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
-            args.init_from, args.cache_dir, ("config.json",), log=log))  # one download per machine
-        cfg = checkpoint.load_config(model_dir)
-        cfg.dropout = args.dropout
-        checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
-    else:
-        shape = dict(gpt.MODEL_SIZES[args.model_size])
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
-            if getattr(args, key) is not None:
-                shape[key] = getattr(args, key)
-        if shape["n_embd"] % shape["n_head"]:
-            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}")
-        cfg = gpt.GPTConfig(**shape, dropout=args.dropout)
-    block_size = args.block_size or cfg.block_size
-    if block_size > cfg.block_size:
-        raise UserError(f"--block-size {block_size} exceeds the model's {cfg.block_size} positions; use at most {cfg.block_size}")
-    if cfg.vocab_size < tokenizer.VOCAB_SIZE:
-        raise UserError(f"vocabulary mismatch: the checkpoint has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer "
-                        f"needs {tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
-    # Record the shape the run really has, so a later --resume compares against it.
-    args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, block_size
+    # --- model configuration and memory -------------------------------------------------------------
+    if latest is not None:  # the resumed run's shape, from latest.json (its export may not be written yet)
+        cfg, block_size = gpt.GPTConfig(**latest["config"]), args.block_size
+    else:  # train.py's rules: --model-size and the shape flags, or a pretrained GPT-2's config.json only
+        cfg, block_size = train.model_config(args, parser, argv, dist_info, log)
     with torch.device("meta"):
         n_params = gpt.GPT(cfg).num_params()  # the tied wte/lm_head weight counted once
     tokens_per_step = args.batch_size * block_size * args.grad_accum * world
@@ -504,26 +514,14 @@ def run(args, parser, argv):
         f"FSDP2 over {world} rank{'s' if world > 1 else ''} ({device.type}, {dist.get_backend()}), "
         f"{'bf16 compute, fp32 reduce' if mp_dtype else 'fp32'}, "
         f"{'ZeRO-3 (reshard after forward)' if args.reshard_after_forward else 'ZeRO-2 (no reshard after forward)'}"
-        f"{', CPU offload' if args.cpu_offload else ''}{', activation checkpointing' if args.activation_checkpointing else ''}; "
+        f"{', CPU offload' if args.cpu_offload else ''}"
+        f"{', activation checkpointing' if args.activation_checkpointing else ''}; "
         f"{tokens_per_step:,} tokens per step")
     estimate = memory.estimate_fsdp_training(cfg, n_params, args.batch_size, block_size, world, device.type,
                                              mp_dtype is not None, args.reshard_after_forward, args.grad_accum,
                                              args.activation_checkpointing)
     if args.estimate_memory:
-        # Shard the meta model for real: the per-rank counts are FSDP's, padding included, with no memory used.
-        sharded = build_sharded_model(cfg, mesh, args, mp_dtype, offload=False)
-        counts = [None] * world
-        dist.all_gather_object(counts, sum(local(p).numel() for p in sharded.parameters()))
-        unsharded = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type,
-                                                 mp_dtype is not None, checkpointing=args.activation_checkpointing)
-        log("parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
-            + f" (of {n_params:,}; {n_params / world:,.0f} = 1/{world} each)")
-        log(memory.format_columns({f"FSDP2, 1 of {world}": estimate, "DDP / unsharded": unsharded},
-                                  f"memory estimate per rank (lib/memory.py, batch {args.batch_size} x {block_size}, "
-                                  f"{'bf16' if mp_dtype else 'fp32'}):"))
-        log("activations and logits belong to each rank's own micro-batch and are never sharded: lower "
-            "--batch-size, add --activation-checkpointing (and --mixed-precision bf16 on a GPU) to shrink them")
-        return {"estimate": estimate, "unsharded": unsharded, "params_per_rank": counts, "n_params": n_params}
+        return print_estimate(cfg, n_params, block_size, estimate, args, mesh, mp_dtype, device, log)
     # On a CPU the ranks of one machine share its RAM.
     per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cpu" else 1
     guards.check_memory(sum(estimate.values()) * per_machine, device, args.force,
@@ -531,12 +529,8 @@ def run(args, parser, argv):
                         "or pick a smaller model")
 
     # --- data -------------------------------------------------------------------------------------
-    # Rank 0 tokenises (once, cached); the others wait and then find the cache.
-    if is_main:
-        data_dir = data.prepare(args.data, args.cache_dir, log=log)
-    dist.barrier()
-    if not is_main:
-        data_dir = data.prepare(args.data, args.cache_dir, log=log)
+    # One process per machine tokenises (once, cached); the others wait and then find the cache.
+    data_dir = distributed.local_rank_0_first(dist_info, lambda: data.prepare(args.data, args.cache_dir, log=log))
     # Rank r takes slice [micro, r] of each step's windows: N ranks see what one process sees with N x --grad-accum.
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, rank, world, seed=args.seed)
@@ -561,13 +555,8 @@ def run(args, parser, argv):
     optimizer = optim.make_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2),
                                  "cpu" if args.cpu_offload else device.type)
     start_step, first_val = 0, None
-    if latest is not None:
-        if args.steps < latest["step"]:
-            raise UserError(f"--resume: {args.out_dir} is already at step {latest['step']}; pass --steps {latest['step']} or more")
-        load_sharded(args.out_dir, model, optimizer, latest)
-        start_step, first_val = latest["step"], latest.get("first_val_loss")
-        log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)" +
-            ("" if args.steps > start_step else f"; it already ran its --steps {args.steps}, pass a larger --steps"))
+    if latest is not None:  # each rank reads the slices of the weights and AdamW moments it owns now
+        start_step, first_val = load_sharded(args, model, optimizer, latest, log)
     _, text = memory_report("at start", held_bytes(model, optimizer), device)
     log(text)
 
@@ -668,7 +657,8 @@ def run(args, parser, argv):
         metrics_log.log(step=step, val_loss=val_loss)
     if updates.last_saved != step:
         save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates)
-        log(f"saved sharded checkpoint {args.out_dir}/{SHARDED}/step-{step:06d} ({world} shard file{'s' if world > 1 else ''})")
+        log(f"saved sharded checkpoint {args.out_dir}/{SHARDED}/step-{step:06d} ({world} shard file"
+            f"{'s' if world > 1 else ''})")
     if args.export:
         export_hf(args.out_dir, model, cfg, step)
         log(f"exported {args.out_dir}/{checkpoint.CONFIG} and {checkpoint.WEIGHTS} (Hugging Face GPT-2 layout)")
