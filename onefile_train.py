@@ -3,13 +3,12 @@
     python onefile_train.py                                   # tiny GPT on the Python stdlib, CPU, minutes
     python onefile_train.py --model-size gpt2 --steps 5000    # GPT-2 124M, bf16 on a GPU that has it
 
-Read it top to bottom: arguments, the run directory, data, model, optimiser, memory, checkpoint, then run(),
-the training in the order it happens. With the same seed and flags it gives train.py's loss at every step and
-writes the same files (tests/test_onefile.py). It protects saved work as every script here does, compactly:
-no fresh run replaces a saved one without --overwrite (which removes nothing before every check has passed);
---resume continues exactly; Ctrl-C saves; non-finite weights are never saved; 10 skipped non-finite updates in
-a row stop the run. Left to train.py (docs/training_architecture.md): DDP under torchrun, torch.compile, fp16,
---dtype, --init-from a Hugging Face checkpoint, a sample, MFU, the memory table, the token cache, moved data.
+Read it top to bottom: arguments, the run directory, data, model, optimiser and memory, checkpoint, run().
+With the same seed and flags it gives train.py's loss at every step (tests/test_onefile.py). It keeps saved
+work safe, compactly: no fresh run replaces a saved one without --overwrite (which removes nothing before
+every check has passed); --resume continues exactly; Ctrl-C saves; non-finite weights are never saved.
+Left to train.py (docs/training_architecture.md): DDP, torch.compile, fp16, --dtype, --init-from, a sample,
+MFU, the memory table, the token cache, moved data files.
 """
 
 import argparse
@@ -21,7 +20,6 @@ import math
 import os
 import pathlib
 import resource
-import signal
 import sys
 import sysconfig
 import tempfile
@@ -40,9 +38,7 @@ from safetensors.torch import load_file, save_file
 MODEL_SIZES = {
     "tiny": dict(n_layer=4, n_head=4, n_embd=128, block_size=128),
     "gpt2": dict(n_layer=12, n_head=12, n_embd=768, block_size=1024),  # 124M
-    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M
-    "gpt2-large": dict(n_layer=36, n_head=20, n_embd=1280, block_size=1024),  # 774M
-    "gpt2-xl": dict(n_layer=48, n_head=25, n_embd=1600, block_size=1024),  # 1558M
+    "gpt2-medium": dict(n_layer=24, n_head=16, n_embd=1024, block_size=1024),  # 350M (larger ones: train.py)
 }
 
 
@@ -103,18 +99,16 @@ def make_parser():
 
 # --- the run directory: check everything, then write (train.py: lib/rundir.py) -------------------
 SAVED = ("config.json", "model.safetensors", "training_state.pt")  # a run is saved here if any of them is
-# --resume continues the saved run. These flags make it what it is (the model, the data, the windows a step
-# reads): given, they must match; not given, they take the saved values, so that the run continues exactly.
+# --resume continues the saved run: flags not given take its values. These make it what it is (the model, the
+# data, the windows a step reads), so another value is refused; the CHANGEABLE ones are reported when changed.
 FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "data", "seed", "batch_size",
          "grad_accum")
-# These may change, and are reported when they do; not given, they too keep the saved values.
 CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
               "eval_interval", "eval_batches", "save_interval", "log_interval")
 
 
 def check_run_dir(args, parser, argv):
-    """A saved run is continued (--resume: its files read now, its flags taken) or replaced (--overwrite, which
-    removes nothing yet), never silently. Returns the saved training state, or None."""
+    """A saved run is continued (--resume) or replaced (--overwrite), never silently; the saved state or None."""
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
     found = [name for name in SAVED if os.path.exists(os.path.join(args.out_dir, name))]
@@ -129,10 +123,9 @@ def check_run_dir(args, parser, argv):
         saved, path = json.loads(state["args"]), os.path.join(args.out_dir, "model.safetensors")
         with safe_open(path, framework="pt") as f:  # its header, checked against the file's length
             weights_step = int(f.metadata()["step"])
-    except FileNotFoundError:
-        raise UserError(f"--resume: {path} does not exist; run without --resume first") from None
-    except Exception as e:  # truncated, garbled, foreign: say which file, not where its reader failed
-        raise UserError(f"{path} is damaged ({type(e).__name__}); restore it, or start again with --overwrite") from None
+    except Exception as e:  # missing, truncated, garbled, foreign: which file, not where its reader failed
+        raise UserError(f"--resume: {path} does not exist; run without --resume first" if isinstance(
+            e, FileNotFoundError) else f"{path} is damaged ({type(e).__name__}); restore it, or --overwrite") from None
     if weights_step != state["step"]:
         raise UserError(f"--resume: the weights in {args.out_dir} are from step {weights_step}, the training state "
                         f"from step {state['step']}: the save was interrupted; start again with --overwrite")
@@ -160,9 +153,8 @@ EOT, VAL_PERCENT = 50256, 5  # <|endoftext|> (the last of 50,257 ids) joins docu
 
 
 def tokenize(source):
-    """The train and val token ids of source: 'stdlib' (the stdlib's code, its tests left out), a text file or a
-    directory of them, split as train.py splits it. Tokenised afresh each run: seconds for the stdlib (train.py
-    keeps larger data tokenised in a cache, and reads it through a memory map)."""
+    """The train and val token ids of source ('stdlib': its code, its tests left out; a text file; a directory),
+    split as train.py splits it. Tokenised afresh each run: seconds for the stdlib (train.py keeps a cache)."""
     root = sysconfig.get_paths()["stdlib"] if source == "stdlib" else source
     if not os.path.exists(root):
         raise UserError(f"data path {source!r} does not exist; pass a text file, a directory of text files or 'stdlib'")
@@ -306,8 +298,7 @@ class GPT(nn.Module):
             elif isinstance(module, nn.Embedding):
                 nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
-    def forward(self, idx, targets):
-        """The mean next-token loss of idx [B, T] against targets [B, T]."""
+    def forward(self, idx, targets):  # the mean next-token loss of idx [B, T] against targets [B, T]
         positions = torch.arange(idx.size(1), device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for block in self.transformer.h:
@@ -341,8 +332,7 @@ def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio):
 def estimate_memory(cfg, n_params, batch_size, device_type, amp):
     """Predicted peak bytes of AdamW training (lib/memory.py's formula; train.py prints it as a table)."""
     tokens, act_bytes = batch_size * cfg.block_size, 2 if amp else 4
-    # Autograd keeps, per block and token, the two LayerNorm inputs (fp32 residual stream) and 15 x n_embd
-    # matmul inputs and outputs in the compute dtype: LN outs 2, q/k/v 3, attention out 2, MLP 4x in/out 8.
+    # Autograd keeps, per block and token, 2 LayerNorm inputs in fp32 and 15 x n_embd matmul ins and outs.
     per_block = tokens * cfg.n_embd * (2 * 4 + 15 * act_bytes + (6 if cfg.dropout > 0 else 0))
     return {"weights, gradients, AdamW moments": n_params * 16,
             "activations": cfg.n_layer * per_block + tokens * cfg.n_embd * 4 * 3,  # + embeddings out, ln_f in/out
@@ -353,27 +343,21 @@ def estimate_memory(cfg, n_params, batch_size, device_type, amp):
 
 
 def peak_memory(device):
-    """CUDA: max allocated by tensors. MPS: what the driver holds. CPU: the peak RSS (Linux: VmHWM)."""
+    """CUDA: max allocated by tensors. MPS: what the driver holds. CPU: the process's peak RSS."""
     if device.type != "cpu":
         return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else torch.mps.driver_allocated_memory()
-    with contextlib.suppress(OSError, StopIteration), open("/proc/self/status") as f:
-        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
 
 
 # --- checkpoint ---------------------------------------------------------------------------------
-# Two audiences: config.json + model.safetensors in transformers' GPT-2 names and layouts, for anyone, and
-# training_state.pt (AdamW's moments, step, RNG) for --resume. Each is written aside and renamed, so a crash
-# never tears one. transformers stores these four as Conv1D, whose weight is [in, out]: nn.Linear's transpose.
+# config.json + model.safetensors in transformers' GPT-2 names and layouts, for anyone; training_state.pt for
+# --resume. transformers stores these four as Conv1D, whose weight is [in, out]: nn.Linear's transpose.
 CONV1D_NAMES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
 def atomic_write(path, write):
     write(f"{path}.tmp-{os.getpid()}")
-    umask = os.umask(0)  # safetensors creates its file 0600: give it the mode open() would, 0666 - umask
-    os.umask(umask)
-    os.chmod(f"{path}.tmp-{os.getpid()}", 0o666 & ~umask)
-    os.replace(f"{path}.tmp-{os.getpid()}", path)
+    os.replace(f"{path}.tmp-{os.getpid()}", path)  # a rename: the old file or the new one, never half of one
 
 
 def save_checkpoint(out_dir, model, optimizer, step, args, first_val):
@@ -390,7 +374,7 @@ def save_checkpoint(out_dir, model, optimizer, step, args, first_val):
               "n_head": c.n_head, "n_inner": None, "activation_function": "gelu_new", "resid_pdrop": c.dropout,
               "embd_pdrop": c.dropout, "attn_pdrop": c.dropout, "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
               "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True, "torch_dtype": "float32"}
-    atomic_write(os.path.join(out_dir, "config.json"), lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config, indent=2)))
+    atomic_write(os.path.join(out_dir, "config.json"), lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config)))
     state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
              "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
              "args": json.dumps(vars(args)), "first_val_loss": first_val}  # "started at" after a resume
@@ -417,12 +401,11 @@ def run(args, parser, argv):
     # bf16 autocast on a GPU that has it (weights, gradients and AdamW stay fp32), else fp32 throughout.
     amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
 
-    # --- model configuration and memory: --model-size and its overrides (a resumed run's are its flags)
+    # --- model configuration and memory: --model-size and the shape flags, recorded for a later --resume ---
     shape = {key: getattr(args, key) for key in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, key)}
     cfg = GPTConfig(**{**MODEL_SIZES[args.model_size], **shape}, dropout=args.dropout)
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}; pick a multiple of it")
-    # Record the shape the run really has, so a later --resume compares against it.
     args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size
     with torch.device("meta"):  # shapes only: counts the parameters without allocating them
         n_params = sum(p.numel() for p in GPT(cfg).parameters())  # the tied wte / lm_head counts once
@@ -433,9 +416,8 @@ def run(args, parser, argv):
           + ", ".join(f"{part} {size / 2**20:,.0f} MiB" for part, size in estimate.items()))
     if args.estimate_memory:
         return estimate
-    # Stop before allocating when the estimate is clearly (25%) more than the GPU has free, or the machine's RAM.
     free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
-        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")  # stop before allocating if clearly (25%) more
     if sum(estimate.values()) > 1.25 * free and not args.force:
         raise UserError(f"the memory estimate ({sum(estimate.values()) / 2**30:.1f} GiB) exceeds the "
                         f"{free / 2**30:.1f} GiB of this {device.type} device; lower --batch-size or --block-size, "
@@ -445,8 +427,6 @@ def run(args, parser, argv):
     tokens = tokenize(args.data)
     train_batches = Batches(tokens["train"], "train", args.batch_size, cfg.block_size, args.grad_accum, args.seed)
     val_batches = Batches(tokens["val"], "val", args.batch_size, cfg.block_size, 1, args.seed + 1)  # a fixed list
-    with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as f:  # Linux: VmHWM starts again,
-        f.write("5")  # so that the peak counts training, not tokenising
     model = GPT(cfg).to(device)
     optimizer = make_adamw(model, args.lr, args.weight_decay, (args.beta1, args.beta2), device.type)
     start_step, first_val = 0, None
@@ -476,9 +456,9 @@ def run(args, parser, argv):
             f.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
 
     def diverged(what):  # the one line a diverged run stops with; it names the last finite checkpoint
-        return UserError(f"{what}, " + ("no finite checkpoint was saved in this run" if last_saved is None else
-                         f"the last finite checkpoint is step {last_saved} in {args.out_dir}")
-                         + "; lower --lr or check the data")
+        last = "no finite checkpoint was saved in this run" if last_saved is None else \
+            f"the last finite checkpoint is step {last_saved} in {args.out_dir}"
+        return UserError(f"{what}, {last}; lower --lr or check the data")
 
     def save(step):  # weights and training state after `step` updates (the next step to run); never non-finite
         nonlocal last_saved
@@ -532,9 +512,10 @@ def run(args, parser, argv):
             if skipped:
                 print(f"step {step}: gradient norm {grad_norm}, update skipped")
             if skipped_in_a_row == 10:
-                raise diverged(f"the gradient norm was not finite for 10 steps in a row ({step - 9} to {step}); stopped")
+                raise diverged(f"the gradient norm was not finite for 10 steps in a row ({step - 9} to {step})")
 
-            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm) | ({"skipped": True} if skipped else {})
+            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            record.update({"skipped": True} if skipped else {})
             if step % args.log_interval == 0 or step == args.steps - 1:
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)  # timings are only honest once queued GPU work is done
@@ -543,13 +524,13 @@ def run(args, parser, argv):
                 eta = (now - steady_since) / (step - start_step) * (args.steps - next_step) if step > start_step else -1
                 last_time, last_step = now, next_step
                 record.update(tokens_per_s=round(tokens_per_s), peak_memory=peak_memory(device))
-                print(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tokens_per_s:8,.0f} tok/s"
-                      f" | mem {record['peak_memory'] / 2**20:,.0f} MiB | ETA {'?' if eta < 0 else f'{eta / 60:.1f} min'}")
+                eta_text = f"{eta / 60:.1f} min" if eta >= 0 else "?"
+                print(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tokens_per_s:8,.0f} "
+                      f"tok/s | mem {record['peak_memory'] / 2**20:,.0f} MiB | ETA {eta_text}")
             log_metrics(**record)
             if next_step % args.save_interval == 0 and next_step < args.steps:
                 save(next_step)
     except KeyboardInterrupt:  # save exactly the updates made so far: --resume neither skips nor repeats one
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
         save(next_step)
         print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
         sys.exit(130)  # the shell's code for Ctrl-C
@@ -564,7 +545,8 @@ def run(args, parser, argv):
     save(next_step)
     peak, predicted = peak_memory(device), sum(estimate.values())
     print(f"saved {args.out_dir}/config.json, model.safetensors (Hugging Face GPT-2 layout), training_state.pt\n"
-          f"memory: estimate {predicted / 2**20:,.0f} MiB, measured peak {peak / 2**20:,.0f} MiB ({peak / predicted:.2f}x)")
+          f"memory: estimate {predicted / 2**20:,.0f} MiB, measured peak {peak / 2**20:,.0f} MiB "
+          f"({peak / predicted:.1f}x the estimate)")
     log_metrics(event="end", step=next_step, val_loss=val_loss, peak_memory=peak, memory_estimate=predicted)
     return {"val_loss": val_loss, "first_val_loss": first_val, "peak_memory": peak}
 
