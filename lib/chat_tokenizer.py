@@ -266,22 +266,18 @@ class Tokenizer:
         # Added tokens are found in the text before anything else, longest first at each position.
         self._added_split = (re.compile("(" + "|".join(re.escape(t) for t in sorted(self.added, key=len, reverse=True))
                                         + ")") if self.added else None)
-        self.id_to_bytes = {}
+        self._id_to_bytes, self.tiktoken_ranks = None, tiktoken_ranks
         if tiktoken_ranks is not None:  # Llama 3's tokenizer.model: tiktoken's own algorithm is the reference
             self.enc = tiktoken.Encoding(name=f"hf:{model_dir}", pat_str=pattern, mergeable_ranks=tiktoken_ranks,
                                          special_tokens={})
-            self.id_to_bytes.update({i: b for b, i in tiktoken_ranks.items()})
+            self.vocab_size = max(len(tiktoken_ranks), max(self.added.values(), default=0) + 1)
         else:
             self.enc = None
             self.vocab, self.merge_rank = model["vocab"], model["merge_rank"]
             self.ignore_merges, self.unk_token = model["ignore_merges"], model["unk_token"]
             self.fuse_unk, self.byte_fallback = model["fuse_unk"], model["byte_fallback"]
-            for t, i in self.vocab.items():
-                self.id_to_bytes[i] = bytes(_U2B[c] for c in t) if all(c in _U2B for c in t) else t.encode()
             self._cache = {}
-        for s, i in self.added.items():
-            self.id_to_bytes[i] = s.encode("utf-8")
-        self.vocab_size = max(self.id_to_bytes) + 1
+            self.vocab_size = max(max(self.vocab.values(), default=-1), max(self.added.values(), default=-1)) + 1
         self.template = template or ""
         self.chat_format, self.chat_settings, self.template_error = identify_template(template)
 
@@ -352,6 +348,23 @@ class Tokenizer:
                 symbols.append(self.unk_token)
             unknown = self.unk_token is not None
         return [self.vocab[s] for s in bpe(symbols, self.merge_rank)]
+
+    @property
+    def id_to_bytes(self) -> dict[int, bytes]:
+        """{id: the bytes it stands for}, built on first use (decode only)."""
+        if self._id_to_bytes is None:
+            table = {}
+            if self.enc is not None:
+                table.update({i: b for b, i in self.tiktoken_ranks.items()})
+            else:
+                for t, i in self.vocab.items():
+                    try:
+                        table[i] = bytes(_U2B[c] for c in t)
+                    except KeyError:  # not a byte-level spelling (a special kept in the vocabulary)
+                        table[i] = t.encode("utf-8")
+            table.update({i: s.encode("utf-8") for s, i in self.added.items()})
+            self._id_to_bytes = table
+        return self._id_to_bytes
 
     def decode(self, ids, skip_special_tokens: bool = False) -> str:
         """Text of the ids (bytes that are not valid UTF-8 become U+FFFD, as in transformers)."""
