@@ -333,28 +333,18 @@ class WordPiece:
         self.prefix, self.max_chars = prefix, int(max_input_chars_per_word)
         self.model_max_length = int(model_max_length)
         self.clean_up_tokenization_spaces = bool(clean_up_tokenization_spaces)
-        if self.specials["unk_token"] not in self.vocab:
-            raise UserError(f"{where} has no {self.specials['unk_token']!r} (the unknown token); use the tokenizer files "
-                            f"that came with the model")
-        self.unk_id = self.vocab[self.specials["unk_token"]]
+        self.unk_id = self._require("unk_token")
         self.model_size = len(self.ids_to_tokens)  # the WordPiece model's own ids; added tokens may come after
         # The special tokens are added tokens too (kept whole wherever they appear), unless listed with other flags.
         self._add_tokens([*added_tokens, *(t for t in self.specials.values() if t in self.vocab)])
-        for name in ("pad_token",):
-            if self.specials[name] not in self.vocab:
-                raise UserError(f"{where} has no {self.specials[name]!r} ({name}); use the tokenizer files that came "
-                                f"with the model")
-        self.pad_id = self.vocab[self.specials["pad_token"]]
+        self.pad_id = self._require("pad_token")
         self.cls_id, self.sep_id, self.mask_id = (self.vocab.get(self.specials[n]) for n in ("cls_token", "sep_token", "mask_token"))
 
         # The pipeline, kept as tokenizer.json's dicts (save() writes them back) and compiled to functions.
         self.normalizer = bert_normalizer(do_lower_case, strip_accents, tokenize_chinese_chars) if normalizer == self.BERT else normalizer
         self.pre_tokenizer = {"type": "BertPreTokenizer"} if pre_tokenizer == self.BERT else pre_tokenizer
         if post_processor == self.BERT:
-            for name in ("cls_token", "sep_token"):
-                if self.specials[name] not in self.vocab:
-                    raise UserError(f"{where} has no {self.specials[name]!r} ({name}); use the tokenizer files that "
-                                    f"came with the model")
+            self._require("cls_token"), self._require("sep_token")
             post_processor = bert_template(self.specials["cls_token"], self.cls_id, self.specials["sep_token"], self.sep_id)
         self.post_processor = post_processor
         self.normalize = compile_normalizer(self.normalizer, where)
@@ -365,6 +355,12 @@ class WordPiece:
             raise UserError(f"{where}: the post_processor adds id {bad[0]}, outside the vocabulary of {self.vocab_size}")
         self._raw_matcher, self._normalized_matcher = self._added_matcher(False), self._added_matcher(True)
         self._cache = {}
+
+    def _require(self, name: str) -> int:
+        if self.specials[name] not in self.vocab:
+            raise UserError(f"{self.where} has no {self.specials[name]!r} ({name}); use the tokenizer files that came "
+                            f"with the model")
+        return self.vocab[self.specials[name]]
 
     def _add_tokens(self, added_tokens):
         """Added tokens are found in the text before anything else and kept whole. normalized=False
