@@ -582,21 +582,60 @@ def load_cifar(data_dir, n_train, n_test, side, log):
 
 # --- sampling: exact draws from the mixture -----------------------------------------------------------
 @torch.no_grad()
-def sample(factornet, centres, eps, n, seed):
-    """Pick k uniformly, then x = mu_k + C_k^-T z with C_k C_k^T = P_k: Cov = C^-T C^-1 = P_k^-1."""
+def sample(factornet, centres, eps, n, seed, log=print):
+    """n exact draws: pick k uniformly, then x = mu_k + C_k^-T z with z ~ N(0, I) and C_k C_k^T = P_k,
+    so Cov x = C^-T C^-1 = P_k^-1.
+
+    There are only K distinct precisions, so the draws are grouped by centre: each P_k is formed and
+    factorised once, O(D^3), and one triangular solve with all of that centre's z as right-hand sides
+    gives its draws, O(n_k D^2): O(K D^3 + n D^2) in all, with one centre's D x D matrices in memory
+    at a time. Every k and z is drawn first, so the grouping changes no draw.
+    """
+    dim = centres.shape[1]
     g = torch.Generator().manual_seed(seed)
     k = torch.randint(len(centres), (n,), generator=g)
-    z = torch.randn(n, centres.shape[1], generator=g)
-    out = []
-    eye = torch.eye(centres.shape[1], device=centres.device)
-    block = max(1, min(4096, 2**22 // centres.shape[1] ** 2))  # samples at a time: about 4M floats of factors
-    for i in range(0, n, block):
-        mu = centres[k[i:i + block].to(centres.device)]
-        L = factor_matrices(factornet(mu), centres.shape[1])
-        C = torch.linalg.cholesky(L @ L.mT + eps * eye)
-        y = torch.linalg.solve_triangular(C.mT, z[i:i + block, :, None].to(centres.device), upper=True)
-        out.append(mu + y[..., 0])
-    return torch.cat(out) if out else centres.new_zeros(0, centres.shape[1])
+    z = torch.randn(n, dim, generator=g)
+    out = centres.new_empty(n, dim)
+    progress = Progress(f"sampling {n:,} draws", len(centres), "centres", log)
+    by_centre = torch.argsort(k, stable=True).split(torch.bincount(k, minlength=len(centres)).tolist())
+    for j, rows in enumerate(by_centre):
+        if len(rows):
+            out[rows.to(out.device)] = draws_around(factornet, centres[j], z[rows].to(out.device), eps, j)
+        progress(j + 1)
+    return out
+
+
+def draws_around(factornet, centre, z, eps, index):
+    """centre + C^-T z for each row of z [m, D], C the Cholesky factor of this centre's precision."""
+    dim = len(centre)
+    L = factor_matrices(factornet(centre[None]), dim)[0]
+    C, info = torch.linalg.cholesky_ex(L @ L.T + eps * torch.eye(dim, device=L.device))
+    if info:  # positive definite in exact arithmetic; fp32 fails only when L's entries are huge
+        raise UserError(f"sampling: the precision of centre {index} cannot be factorised in fp32 (its factor's "
+                        f"largest entry is {float(L.abs().max()):.3g}); the saved model is kept; retrain with a "
+                        f"lower --lr or a larger --stability")
+    return centre + torch.linalg.solve_triangular(C.T, z.T, upper=True).T
+
+
+class Progress:
+    """A line every few seconds while a long phase runs (reading data, the test loss, sampling), with
+    what is done and an ETA; a phase that is over sooner prints nothing."""
+
+    def __init__(self, what, total, unit, log, every=5.0):
+        self.what, self.total, self.unit, self.log, self.every = what, total, unit, log, every
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done):
+        now = time.perf_counter()
+        if now - self.last >= self.every and done < self.total:
+            self.last = now
+            eta = (now - self.start) / done * (self.total - done)
+            self.log(f"{self.what}: {done:,}/{self.total:,} {self.unit}, {metrics.format_seconds(now - self.start)} "
+                     f"so far, ETA {metrics.format_seconds(eta)}")
+            sys.stdout.flush()  # seen now, also through a pipe or a log file
+
+    def seconds(self):
+        return time.perf_counter() - self.start
 
 
 def picture(path, data, samples, image_side=None):
@@ -853,7 +892,7 @@ def run(args, parser, argv=None):
     samples = None
     if dist_info.is_main:
         save(args.out_dir, factornet, centres, optimizer, next_step, args, last_saved)
-        samples = sample(factornet, centres, args.stability, args.num_samples, args.seed + 2).cpu().numpy()
+        samples = sample(factornet, centres, args.stability, args.num_samples, args.seed + 2, log).cpu().numpy()
         np.save(os.path.join(args.out_dir, "samples.npy"), samples)
         pic = os.path.join(args.out_dir, "samples.png")
         picture(pic, train_np, samples, args.image_size if args.data == "cifar10" else None)

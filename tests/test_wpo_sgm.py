@@ -128,6 +128,41 @@ def test_exact_sampling_has_the_mixture_mean_and_covariance_for_one_centre():
     assert not torch.allclose(cov, cov.diagonal().diag(), atol=0.05 * float(cov.abs().max()))  # a full covariance
 
 
+def test_sampling_per_centre_matches_each_component():
+    # Three centres far apart (their draws cannot be confused): each gets about n/3 of the draws,
+    # with its own mean and covariance P_k^-1, formed here by inverting P_k directly.
+    d, eps, n = 3, 0.05, 60_000
+    net = random_model(d, seed=5)
+    centres = torch.tensor([[0.0, 0.0, 0.0], [60.0, 0.0, 0.0], [0.0, -60.0, 30.0]])
+    with torch.no_grad():
+        L = w.factor_matrices(net(centres), d).double()
+    covs = torch.linalg.inv(L @ L.mT + eps * torch.eye(d, dtype=torch.float64))
+    x = w.sample(net, centres, eps, n, seed=1).double()
+    nearest = torch.cdist(x, centres.double()).argmin(1)
+    for k in range(3):
+        mine = x[nearest == k]
+        assert abs(len(mine) - n / 3) < 5 * math.sqrt(n * (1 / 3) * (2 / 3)), (k, len(mine))
+        sd = covs[k].diagonal().sqrt()
+        assert torch.all((mine.mean(0) - centres[k]).abs() < 5 * sd / math.sqrt(len(mine))), k
+        torch.testing.assert_close(torch.cov(mine.T), covs[k], rtol=0.04, atol=0.04 * float(covs[k].abs().max()))
+    assert not torch.allclose(covs[0], covs[1], rtol=0.1)  # the components really differ
+
+
+def test_grouped_sampling_gives_the_draws_of_one_factorisation_per_draw():
+    # The earlier sample() factorised P_k once per draw; grouping by centre must not change a draw.
+    d, eps, n, seed = 4, 0.02, 300, 7
+    net = random_model(d, seed=2)
+    centres = torch.randn(6, d) * 3
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(len(centres), (n,), generator=g)
+    z = torch.randn(n, d, generator=g)
+    with torch.no_grad():
+        L = w.factor_matrices(net(centres[k]), d)  # [n, D, D]: one per draw
+        C = torch.linalg.cholesky(L @ L.mT + eps * torch.eye(d))
+        reference = centres[k] + torch.linalg.solve_triangular(C.mT, z[..., None], upper=True)[..., 0]
+    torch.testing.assert_close(w.sample(net, centres, eps, n, seed), reference, rtol=1e-5, atol=1e-5)
+
+
 # --- CIFAR-10, binary version --------------------------------------------------------------------
 def write_cifar(path, n, seed=0, labels=None):
     rng = np.random.default_rng(seed)
