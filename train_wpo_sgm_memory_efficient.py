@@ -370,10 +370,19 @@ class Plan:
 
 def estimate_memory(shape: Shape, plan: Plan, baseline: int = 0) -> dict:
     """Predicted peak bytes per component on one device (one rank) for the plan: what the run holds
-    throughout, plus the larger of its two passing needs, a training step and sampling. (The test
-    loss goes a batch at a time with no graph kept: it needs less than a step.)"""
-    step, draws = step_memory(shape, plan), sampling_memory(shape)
-    return {**held_memory(shape, baseline), **(step if sum(step.values()) >= sum(draws.values()) else draws)}
+    throughout, plus the largest of what its moments add: a step's forward and backward, AdamW's
+    update, sampling. (The test loss goes a batch at a time with no graph kept: less than a step.)"""
+    return {**held_memory(shape, baseline), **max(moments(shape, plan).values(), key=lambda m: sum(m.values()))}
+
+
+def moments(shape: Shape, plan: Plan) -> dict:
+    """What each moment of the run needs on top of what is held, by component."""
+    p = shape.n_params
+    return {"a step's forward and backward": step_memory(shape, plan),
+            # AdamW's update on CPU (torch's per-tensor loop) computes sqrt(v) / bias correction into
+            # two new tensors of a parameter's size; a GPU's multi-tensor update does so for all at once.
+            "AdamW's update": {"update: gradients": p * FP32, "update: two parameter-sized temporaries": 2 * p * FP32},
+            "sampling": sampling_memory(shape)}
 
 
 def held_memory(shape: Shape, baseline: int = 0) -> dict:
@@ -831,9 +840,8 @@ def run(args, parser, argv):
             + (" per rank" if world > 1 else ""))
         log(f"plan: {describe_plan(plan, shape)} ({plan.reason})")
         log(format_table(estimate))
-        log(f"beyond what is held: a training step {metrics.format_bytes(sum(step_memory(shape, plan).values()))}, "
-            f"sampling {args.num_samples} draws {metrics.format_bytes(sum(sampling_memory(shape).values()))}; "
-            f"the larger is in the total")
+        log("on top of what is held: " + ", ".join(f"{name} {metrics.format_bytes(sum(m.values()))}" for name, m in
+                                                    moments(shape, plan).items()) + "; the largest is in the total")
         return {"plan": plan, "estimate": estimate}
     log(f"plan: {describe_plan(plan, shape)} ({plan.reason}); predicted peak {metrics.format_bytes(sum(estimate.values()))}")
     guards.check_memory(sum(estimate.values()), device, args.force,
