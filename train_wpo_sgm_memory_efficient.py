@@ -22,6 +22,7 @@ sampling, then run(): device setup, data, model, optimiser, training loop, save,
 """
 
 import argparse
+import ctypes
 import math
 import os
 import signal
@@ -440,6 +441,17 @@ def runtime_baseline(device):
     return 0
 
 
+def return_freed_blocks_to_the_os():
+    """glibc keeps a freed block of up to 32 MiB in its heap for reuse (its mmap threshold rises to
+    the largest block freed), so a CPU run's resident set grows with how the heap fragments, not with
+    its tensors: 1.24-1.29x the estimate on pooled CIFAR-10 (docs/wpo_sgm_memory.md). A fixed
+    threshold of 128 KiB gives every larger block its own mapping, returned to the system when freed."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD in glibc's malloc.h
+    except (OSError, AttributeError):
+        pass  # not glibc (macOS, musl): nothing to do
+
+
 def largest_chunk(shape, plan, budget, baseline):
     """The largest chunk size whose estimate fits the budget (the estimate is linear in it), or 0."""
     def total(c):
@@ -851,6 +863,8 @@ def run(args, parser, argv):
     # --- device and distributed setup -----------------------------------------------------------------
     dist_info = distributed.setup(device.type) if world > 1 else distributed.DistInfo()
     device = distributed.device_for(dist_info, device)
+    if device.type == "cpu":
+        return_freed_blocks_to_the_os()  # so that the resident set follows the tensors, as estimated
     if device.type == "cpu" and dim <= 16 and "OMP_NUM_THREADS" not in os.environ:
         # Toy-set tensors are a few KB: splitting each op across threads costs more than it saves,
         # and on a busy machine waiting for a descheduled thread costs far more (set OMP_NUM_THREADS to choose).
