@@ -299,6 +299,18 @@ def test_memory_estimate_within_25_percent_of_measured_peak_rss():
         assert abs(r["estimate_above_baseline"] - r["peak_above_baseline"]) <= 0.25 * r["peak_above_baseline"], r
 
 
+def test_sampling_memory_estimate_within_25_percent_of_measured_peak_rss():
+    # One centre's D x D factors (D = 1024: 4 MiB each) and 4,000 draws with their noise (32 MiB).
+    cfg = {"dim": 1024, "centres": 3, "num_samples": 4000}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    proc = subprocess.run([sys.executable, "bench/wpo_sgm.py", "--sampling", json.dumps(cfg)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    assert r["peak_above_before"] > 40 * 2**20, r
+    assert abs(r["estimate"] - r["peak_above_before"]) <= 0.25 * r["peak_above_before"], r
+
+
 # --- end to end -----------------------------------------------------------------------------------
 MODES = np.array([(math.cos(a), math.sin(a)) for a in np.arange(8) * math.pi / 4]) * 20 / math.sqrt(2)
 
