@@ -508,6 +508,19 @@ def choose_plan(args, shape, world_size, available, baseline):
     return Plan("chunked", 1, 1, 1, f"nothing fits within {FREE_FRACTION:.0%} of the {have}; the smallest plan is shown")
 
 
+def print_plan(shape, plan, baseline, world, device_text, log):
+    """--dry-run and --estimate-memory: the shape, what all centres at once would need, the plan, the table."""
+    log(f"D = {shape.dim}, K = {shape.centres}, batch {shape.batch}, factornet {shape.n_params:,} parameters, "
+        f"device {device_text}, {world} rank(s)")
+    at_once = sum(estimate_memory(shape, Plan("single_gpu", None, 1, world), baseline).values())
+    log(f"all {-(-shape.centres // world)} centres at once would need {metrics.format_bytes(at_once)}"
+        + (" per rank" if world > 1 else ""))
+    log(f"plan: {describe_plan(plan, shape)} ({plan.reason})")
+    log(format_table(estimate_memory(shape, plan, baseline)))
+    log("on top of what is held: " + ", ".join(f"{name} {metrics.format_bytes(sum(m.values()))}"
+                                                for name, m in moments(shape, plan).items()) + "; the largest counts")
+
+
 def describe_plan(plan, shape):
     parts = [plan.strategy]
     if plan.strategy == "model_parallel":
@@ -517,6 +530,24 @@ def describe_plan(plan, shape):
     if plan.strategy == "gradient_accumulation":
         parts.append(f"{plan.accumulation_steps} micro-batches")
     return ", ".join(parts)
+
+
+class Progress:
+    """A line every few seconds while a long phase runs (reading data, the test loss, sampling), with
+    what is done and an ETA; a phase that is over sooner prints nothing."""
+
+    def __init__(self, what, total, unit, log, every=5.0):
+        self.what, self.total, self.unit, self.log, self.every = what, total, unit, log, every
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done):
+        now = time.perf_counter()
+        if now - self.last >= self.every and done < self.total:
+            self.last = now
+            eta = (now - self.start) / done * (self.total - done)
+            self.log(f"{self.what}: {done:,}/{self.total:,} {self.unit}, {metrics.format_seconds(now - self.start)} "
+                     f"so far, ETA {metrics.format_seconds(eta)}")
+            sys.stdout.flush()  # seen now, also through a pipe or a log file
 
 
 # --- data: toy sets generated from the seed, and CIFAR-10's binary files ----------------------------
@@ -698,27 +729,6 @@ def draws_around(factornet, centre, z, eps, index):
     return centre + torch.linalg.solve_triangular(C.T, z.T, upper=True).T
 
 
-class Progress:
-    """A line every few seconds while a long phase runs (reading data, the test loss, sampling), with
-    what is done and an ETA; a phase that is over sooner prints nothing."""
-
-    def __init__(self, what, total, unit, log, every=5.0):
-        self.what, self.total, self.unit, self.log, self.every = what, total, unit, log, every
-        self.start = self.last = time.perf_counter()
-
-    def __call__(self, done):
-        now = time.perf_counter()
-        if now - self.last >= self.every and done < self.total:
-            self.last = now
-            eta = (now - self.start) / done * (self.total - done)
-            self.log(f"{self.what}: {done:,}/{self.total:,} {self.unit}, {metrics.format_seconds(now - self.start)} "
-                     f"so far, ETA {metrics.format_seconds(eta)}")
-            sys.stdout.flush()  # seen now, also through a pipe or a log file
-
-    def seconds(self):
-        return time.perf_counter() - self.start
-
-
 def picture(path, data, samples, image_side=None):
     """Samples against data: a scatter of the first two coordinates, or two image grids (data | samples)."""
     if image_side is None:  # two panels on the data's scale: data (grey), samples (red)
@@ -785,9 +795,10 @@ def save(run_dir, factornet, centres, optimizer, step, args, updates, dist_info)
     updates.saved(step)
 
 
-def load_saved_model(factornet, centres, out_dir):
-    """factornet's weights from the saved run, whose centres must be the ones the data gives now."""
-    path = os.path.join(out_dir, checkpoint.WEIGHTS)
+def resume(run_dir, factornet, centres, optimizer, args, log):
+    """Load the saved run's weights and optimizer state (validated by rundir.prepare); returns the
+    step to continue from. The saved centres must be the ones the data gives now."""
+    path = os.path.join(args.out_dir, checkpoint.WEIGHTS)
     tensors = load_file(path)
     try:
         factornet.load_state_dict({k[len("factornet."):]: v for k, v in tensors.items() if k.startswith("factornet.")})
@@ -798,6 +809,12 @@ def load_saved_model(factornet, centres, out_dir):
         raise UserError(f"--resume: the centres saved in {path} differ from the first --train_kernel_size samples "
                         f"of the data now read; the data changed since the run was saved: restore it, or start "
                         f"again with --overwrite")
+    optimizer.load_state_dict(run_dir.state["optimizer"])
+    step = run_dir.state["step"]
+    if args.niters < step:
+        raise UserError(f"--resume: {args.out_dir} is already at step {step}; pass --niters {step} or more")
+    log(f"resuming from step {step} of {args.niters} in {args.out_dir}")
+    return step
 
 
 # --- the run ----------------------------------------------------------------------------------------
@@ -838,23 +855,15 @@ def run(args, parser, argv):
 
     # --- the memory plan ------------------------------------------------------------------------------
     dim = data_dim(args)
-    test_samples = 0 if args.data == "cifar10" and not args.test_samples_size else args.test_samples_size
     shape = Shape(dim, args.train_kernel_size, args.batch_size, args.train_samples_size, args.depth, args.hiddenunits,
-                  test_samples, args.num_samples)
+                  args.test_samples_size, args.num_samples)
     available, what = guards.available_memory(device)
     baseline = runtime_baseline(device)
     plan = choose_plan(args, shape, world, available, baseline)
     estimate = estimate_memory(shape, plan, baseline)
     if planning_only:
-        log(f"D = {dim}, K = {shape.centres}, batch {shape.batch}, factornet {shape.n_params:,} parameters, "
-            f"device {device} ({metrics.format_bytes(available) if available else 'unknown'} {what}), {world} rank(s)")
-        at_once = sum(estimate_memory(shape, Plan("single_gpu", None, 1, world), baseline).values())
-        log(f"all {-(-shape.centres // world)} centres at once would need {metrics.format_bytes(at_once)}"
-            + (" per rank" if world > 1 else ""))
-        log(f"plan: {describe_plan(plan, shape)} ({plan.reason})")
-        log(format_table(estimate))
-        log("on top of what is held: " + ", ".join(f"{name} {metrics.format_bytes(sum(m.values()))}" for name, m in
-                                                    moments(shape, plan).items()) + "; the largest is in the total")
+        print_plan(shape, plan, baseline, world, f"{device} ({metrics.format_bytes(available) if available else 'unknown'} "
+                                                 f"{what})", log)
         return {"plan": plan, "estimate": estimate}
     log(f"plan: {describe_plan(plan, shape)} ({plan.reason}); predicted peak {metrics.format_bytes(sum(estimate.values()))}")
     guards.check_memory(sum(estimate.values()), device, args.force,
@@ -883,23 +892,14 @@ def run(args, parser, argv):
 
     # --- model ----------------------------------------------------------------------------------------
     devices.reset_peak_memory(device)  # count training, not reading the data
-    factornet = FactorNet(dim, args.depth, args.hiddenunits)  # same seed on every rank: identical replicas
-    if run_dir.resumed:
-        load_saved_model(factornet, centres, args.out_dir)
-    factornet.to(device)
+    factornet = FactorNet(dim, args.depth, args.hiddenunits).to(device)  # same seed on every rank: identical replicas
     log(f"model: factornet {args.depth} x {args.hiddenunits} GELU -> {tril_size(dim)} factor entries, "
         f"{shape.n_params:,} parameters; K = {len(centres)} centres, eps = {args.stability}; fp32 on {device}"
         + (f" x {dist_info.world_size} ranks ({len(local_centres)} centres on this one)" if dist_info.enabled else ""))
 
     # --- optimiser -------------------------------------------------------------------------------------
     optimizer = torch.optim.AdamW(factornet.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    start_step = 0
-    if run_dir.resumed:
-        optimizer.load_state_dict(run_dir.state["optimizer"])
-        start_step = run_dir.state["step"]
-        if args.niters < start_step:
-            raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --niters {start_step} or more")
-        log(f"resuming from step {start_step} of {args.niters} in {args.out_dir}")
+    start_step = resume(run_dir, factornet, centres, optimizer, args, log) if run_dir.resumed else 0
 
     # --- training loop ---------------------------------------------------------------------------------
     metrics_log = rundir.begin(run_dir, args, dist_info.is_main)  # the first write; --overwrite clears only now
