@@ -966,25 +966,27 @@ def run(args, parser, argv):
     train_seconds = time.perf_counter() - t_start
     updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 
-    # --- save -------------------------------------------------------------------------------------------
-    final_test = None
-    if test_x is not None:
-        final_test = test_loss(factornet, test_x, local_centres, args.stability, plan, args.batch_size, log)
-        log(f"step {next_step}: test loss {final_test:.4f}")
-        metrics_log.log(step=next_step, test_loss=final_test)
+    # --- save, then the final test loss and the samples ------------------------------------------------
     save_now(next_step)
-
-    # --- samples and the picture ------------------------------------------------------------------------
-    samples, sample_seconds = None, 0.0
-    if dist_info.is_main:
-        t = time.perf_counter()
-        samples = sample(factornet, centres, args.stability, args.num_samples, args.seed + 2, log).cpu().numpy()
-        sample_seconds = time.perf_counter() - t
-        np.save(os.path.join(args.out_dir, "samples.npy"), samples)
-        picture(os.path.join(args.out_dir, "samples.png"), train_np, samples,
-                args.image_size if args.data == "cifar10" else None)
-        log(f"saved {args.out_dir}/config.json, model.safetensors (factornet + centres), {rundir.STATE}, "
-            f"samples.npy ({len(samples)} samples, {sample_seconds:.1f} s) and samples.png (left: data, right: samples)")
+    log(f"saved {args.out_dir}/config.json, model.safetensors (factornet + centres) and {rundir.STATE}")
+    final_test, samples, sample_seconds = None, None, 0.0
+    try:  # the model is saved: Ctrl-C from here on loses nothing, and --resume redoes what follows
+        if test_x is not None:
+            final_test = test_loss(factornet, test_x, local_centres, args.stability, plan, args.batch_size, log)
+            log(f"step {next_step}: test loss {final_test:.4f}")
+            metrics_log.log(step=next_step, test_loss=final_test)
+        if dist_info.is_main:
+            t = time.perf_counter()
+            samples = sample(factornet, centres, args.stability, args.num_samples, args.seed + 2, log).cpu().numpy()
+            sample_seconds = time.perf_counter() - t
+            np.save(os.path.join(args.out_dir, "samples.npy"), samples)
+            picture(os.path.join(args.out_dir, "samples.png"), train_np, samples,
+                    args.image_size if args.data == "cifar10" else None)
+            log(f"saved samples.npy ({len(samples)} samples, {sample_seconds:.1f} s) and samples.png "
+                f"(left: data, right: samples)")
+    except KeyboardInterrupt:
+        rundir.save_on_interrupt(lambda: None, next_step, args.out_dir, dist_info.is_main,
+                                 cleanup=lambda: distributed.cleanup(dist_info, wait=False))
 
     # --- report -------------------------------------------------------------------------------------------
     peak = devices.peak_memory_bytes(device)

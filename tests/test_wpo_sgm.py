@@ -392,6 +392,27 @@ def test_resume_keeps_the_saved_flags_and_may_change_the_strategy(tmp_path, monk
         assert e.value.code == 2 and expected in err and len(err.splitlines()) == 1, err
 
 
+def test_ctrl_c_while_sampling_keeps_the_saved_model_and_resume_draws_the_samples(tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "run")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(w, "sample", interrupted)
+    with pytest.raises(SystemExit) as e:
+        w.main(SMALL + ["--niters", "3", "--out-dir", out])
+    assert e.value.code == 130 and "interrupted: saved step 3" in capsys.readouterr().err
+    assert checkpoint_step(out) == 3 and not os.path.exists(os.path.join(out, "samples.npy"))
+    monkeypatch.undo()
+    w.main(["--resume", "--out-dir", out])  # nothing left to train: the test loss and the samples
+    assert checkpoint_step(out) == 3 and np.load(os.path.join(out, "samples.npy")).shape == (200, 2)
+    assert sorted(r["step"] for r in read_metrics(out) if "loss" in r and "event" not in r) == [0, 1, 2]
+
+
+def checkpoint_step(out):
+    return torch.load(os.path.join(out, "training_state.pt"), weights_only=True)["step"]
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     a_file = tmp_path / "file"
     a_file.write_text("x")
