@@ -17,8 +17,14 @@ the same loss and gradients (docs/wpo_sgm_memory.md derives why):
   model_parallel         the centres split across torchrun ranks; partial statistics combined by collectives
   gradient_accumulation  the data batch split into --accumulation_steps micro-batches
   auto                   picks one from a memory estimate and the device's free memory (--dry-run shows it)
-Read top to bottom: arguments, the mixture and its loss, the strategies, the memory plan, data,
-sampling, then run(): device setup, data, model, optimiser, training loop, save, report.
+Sampling draws exactly from the mixture, one Cholesky factorisation per centre. Read top to bottom:
+arguments, the mixture and its loss, the strategies, the memory plan, data, sampling, then run():
+checks, the memory plan, device setup, data, model, optimiser, training loop, save, samples, report.
+
+Nothing saved is lost (lib/rundir.py, the contract every script here follows): a fresh run refuses
+an --out-dir holding a saved run (--resume or --overwrite); --resume keeps the saved run's flags and
+refuses ones that contradict it (the strategy may change: all compute the same loss); a damaged
+saved file is one error line; non-finite weights are never saved; Ctrl-C saves and exits 130.
 """
 
 import argparse
