@@ -542,8 +542,10 @@ class Progress:
     """A line every few seconds while a long phase runs (reading data, the test loss, sampling), with
     what is done and an ETA; a phase that is over sooner prints nothing."""
 
-    def __init__(self, what, total, unit, log, every=5.0):
-        self.what, self.total, self.unit, self.log, self.every = what, total, unit, log, every
+    EVERY = 5.0  # seconds between lines
+
+    def __init__(self, what, total, unit, log):
+        self.what, self.total, self.unit, self.log, self.every = what, total, unit, log, self.EVERY
         self.start = self.last = time.perf_counter()
 
     def __call__(self, done):

@@ -184,6 +184,25 @@ def test_grouped_sampling_gives_the_draws_of_one_factorisation_per_draw():
     torch.testing.assert_close(w.sample(net, centres, eps, n, seed), reference, rtol=1e-5, atol=1e-5)
 
 
+def test_long_phases_print_progress(tmp_path, monkeypatch):
+    monkeypatch.setattr(w.Progress, "EVERY", 0.0)  # a line at every chance, as a slow phase would print
+    lines = []
+    w.sample(random_model(2), torch.randn(3, 2), 0.01, 30, seed=0, log=lines.append)
+    assert [line.split(",")[0] for line in lines] == ["sampling 30 draws: 1/3 centres", "sampling 30 draws: 2/3 centres"]
+    assert all("ETA" in line for line in lines)
+    lines.clear()
+    write_cifar(tmp_path / "data_batch_1.bin", 3)
+    write_cifar(tmp_path / "data_batch_2.bin", 3)
+    w.load_cifar(str(tmp_path), 6, 0, 8, log=lines.append)
+    assert lines[0].startswith("data: reading CIFAR-10: 1/2 files") and "6 training images" in lines[1]
+    lines.clear()
+    net, x, centres = random_model(2), torch.randn(10, 2), torch.randn(4, 2)
+    loss = w.test_loss(net, x, centres, 0.01, w.Plan("single_gpu"), 4, lines.append)  # batches of 4, 4 and 2
+    assert [line.split(",")[0] for line in lines] == ["test loss: 4/10 samples", "test loss: 8/10 samples"]
+    with torch.no_grad():
+        assert loss == pytest.approx(w.score_matching_loss(net, x, centres, 0.01).item(), rel=1e-5)  # the mean over all 10
+
+
 # --- CIFAR-10, binary version --------------------------------------------------------------------
 def write_cifar(path, n, seed=0, labels=None):
     rng = np.random.default_rng(seed)
