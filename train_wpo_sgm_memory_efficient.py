@@ -880,8 +880,6 @@ def run(args, parser, argv):
     # --- device and distributed setup -----------------------------------------------------------------
     dist_info = distributed.setup(device.type) if world > 1 else distributed.DistInfo()
     device = distributed.device_for(dist_info, device)
-    if device.type == "cpu":
-        return_freed_blocks_to_the_os()  # so that the resident set follows the tensors, as estimated
     if device.type == "cpu" and dim <= 16 and "OMP_NUM_THREADS" not in os.environ:
         # Toy-set tensors are a few KB: splitting each op across threads costs more than it saves,
         # and on a busy machine waiting for a descheduled thread costs far more (set OMP_NUM_THREADS to choose).
@@ -1009,4 +1007,7 @@ def run(args, parser, argv):
 
 
 if __name__ == "__main__":
+    # On CPU the resident set then follows the tensors, as estimated. Only for a run from the command
+    # line: a program that imports this script (a test, a notebook) keeps its own allocator settings.
+    return_freed_blocks_to_the_os()
     main()
