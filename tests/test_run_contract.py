@@ -83,7 +83,8 @@ CASES = {
                        make_data=lambda tmp, source: ["--data", source]),
     # The compact inline contract (no lib/): its saved files and its hook are named here.
     "onefile_train": Case("onefile_train", [*GPT_TINY[:GPT_TINY.index("--sample-tokens")],
-                                            *GPT_TINY[GPT_TINY.index("--sample-tokens") + 2:]], stop_at=2, weights=("model.safetensors",), saved=("model.safetensors", "training_state.pt"),
+                                            *GPT_TINY[GPT_TINY.index("--sample-tokens") + 2:]], stop_at=2,
+                          weights=("model.safetensors",), saved=("model.safetensors", "training_state.pt"),
                           bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
                           diverge=["--lr", "1e38", "--grad-clip", "0"], hook="onefile_train:lr_at",
                           make_data=lambda tmp, source: ["--data", source]),
