@@ -286,9 +286,8 @@ class GPT(nn.Module):
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.transformer.wte.weight  # weight tying saves vocab x n_embd parameters
-        # GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 n_layer) so the residual stream's
-        # variance does not grow with depth; LayerNorms keep gain 1, bias 0. lm_head comes last and re-draws the
-        # tied wte: the RNG order train.py uses.
+        # GPT-2's init: N(0, 0.02), residual projections / sqrt(2 n_layer) so that the residual stream's variance
+        # does not grow with depth; LayerNorms 1 and 0. lm_head re-draws the tied wte last: train.py's RNG order.
         for name, module in self.named_modules():
             if isinstance(module, nn.Linear):
                 std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj") else 0.02
@@ -464,8 +463,7 @@ def run(args, parser, argv):
         nonlocal last_saved
         bad = [name for name, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
         if bad:
-            raise diverged(f"weights are not finite at step {step} ({len(bad)} tensors, e.g. {bad[0]}); nothing "
-                           f"was saved")
+            raise diverged(f"weights are not finite at step {step} ({len(bad)}, e.g. {bad[0]}); nothing was saved")
         save_checkpoint(args.out_dir, model, optimizer, step, args, first_val)
         last_saved = step
 
