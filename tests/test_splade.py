@@ -231,6 +231,22 @@ def test_not_utf8_and_missing_file(tmp_path, capsys):
         assert piece in capsys.readouterr().err
 
 
+def test_a_byte_order_mark_is_named_and_skipped(tmp_path):
+    """Windows editors start UTF-8 files with a BOM; JSON has no place for one. The reader says so and
+    reads on, and the lines it names in errors are still the file's lines."""
+    rec = {"query": "q one", "positive_document": "doc one", "negative_documents": ["n1"]}
+    for name, text in (("list.json", json.dumps([rec, rec], indent=1)), ("lines.jsonl", f"{json.dumps(rec)}\n" * 2)):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        notes = []
+        assert unified.read_examples(str(path), "--train-file", 1, log=notes.append) == [unified.Example("q one", "doc one", ["n1"])] * 2
+        assert len(notes) == 1 and "byte-order mark (BOM)" in notes[0] and str(path) in notes[0]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + f"{json.dumps(rec)}\n{{bad\n".encode())
+    with pytest.raises(UserError, match="line 2"):
+        unified.read_examples(str(path), "--train-file", 1, log=lambda *a: None)
+
+
 # --- tiny end-to-end runs -----------------------------------------------------------------------------
 # A retrieval task a 2-layer model learns in a few dozen steps, and that needs more than matching words:
 # a document is six topic words ("t17"); its query names one of them as it is and one by a synonym
@@ -257,6 +273,16 @@ def data_files(tmp_path_factory):
     (d / "train.json").write_text(json.dumps(synthetic(192, 0)))
     (d / "val.jsonl").write_text("\n".join(json.dumps(r) for r in synthetic(48, 1)))
     return str(d / "train.json"), str(d / "val.jsonl")
+
+
+def contract_data(directory):
+    """The data of the SPLADE cases in tests/test_run_contract.py: 48 training and 16 validation records."""
+    train, val = os.path.join(directory, "train.json"), os.path.join(directory, "val.jsonl")
+    with open(train, "w") as f:
+        json.dump(synthetic(48, 0), f)
+    with open(val, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in synthetic(16, 1)))
+    return ["--train-file", train, "--val-file", val]
 
 
 def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, data_files, capsys):
@@ -286,11 +312,6 @@ def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, dat
     assert "top terms" in text and "top 5 of" in text
     assert docs.index(query["positive_document"]) in [i for i, _ in found["results"]]
 
-    # a second fresh run into the same directory is refused
-    with pytest.raises(SystemExit) as e:
-        unified.main(["--train-file", train, "--out-dir", out, *TINY])
-    assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
-
     # the saved directory is a checkpoint like any Hugging Face one: fine-tune from it
     tuned = unified.main(["--train-file", train, "--val-file", val, "--model-name", out, "--out-dir", str(tmp_path / "ft"),
                           "--steps", "2", "--index", "none", *TINY])
@@ -310,30 +331,6 @@ def test_optimized_end_to_end_with_gradcache(tmp_path, data_files, capsys):
     assert "rss" in capsys.readouterr().out
 
 
-def test_resume_is_exact(tmp_path, data_files):
-    train, _ = data_files
-    common = ["--train-file", train, "--steps", "6", "--batch-size", "8", *TINY]
-    straight = unified.main([*common, "--out-dir", str(tmp_path / "a")])
-
-    def interrupt(step, record):
-        if step == 2:
-            raise KeyboardInterrupt
-
-    parser = unified.build_parser()
-    argv = [*common, "--out-dir", str(tmp_path / "b")]
-    with pytest.raises(SystemExit) as e:
-        unified.run(parser.parse_args(argv), parser, argv, unified.Variant(after_step=interrupt))
-    assert e.value.code == 130
-    resumed = unified.main([*common, "--out-dir", str(tmp_path / "b"), "--resume"])
-
-    def losses(d):
-        return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "rank_loss" in r}
-    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert {3, 4, 5} <= set(b) and all(a[s] == b[s] for s in b), (a, b)  # step 2 ended in the interrupt, before its log line
-    for (name, p), q in zip(straight["model"].state_dict().items(), resumed["model"].state_dict().values()):
-        assert torch.equal(p, q), name
-
-
 def test_resume_refuses_a_contradicting_flag(tmp_path, data_files, capsys):
     train, _ = data_files
     out = str(tmp_path / "r")
@@ -341,6 +338,85 @@ def test_resume_refuses_a_contradicting_flag(tmp_path, data_files, capsys):
     with pytest.raises(SystemExit):
         unified.main(["--train-file", train, "--steps", "2", "--batch-size", "4", "--out-dir", out, "--resume", *TINY])
     assert "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
+
+
+# --- the run contract: what tests/test_run_contract.py does not already cover ---------------------
+def error_of(capsys, main, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_every_update_skipped_saves_nothing_and_says_so(tmp_path, data_files, capsys):
+    """--lambda-q 1e30: the FLOPS term's gradient overflows and every update is skipped. The run must not
+    save, index or exit 0: ten skipped in a row stop it, and a shorter run that applied none says so."""
+    diverge = ["--train-file", data_files[0], "--lambda-q", "1e30", "--lambda-d", "1e30", "--reg-warmup-steps", "0",
+               "--batch-size", "8", *TINY]
+    for steps, message in (("12", "not finite for 10 steps in a row (steps 0 to 9)"), ("3", "no update was applied")):
+        out = tmp_path / steps
+        err = error_of(capsys, unified.main, [*diverge, "--steps", steps, "--out-dir", str(out)])
+        assert message in err, err
+        assert sorted(os.listdir(out)) == ["metrics.jsonl"]  # no model, no state, no index
+        records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        assert all(r.get("skipped") for r in records if "grad_norm" in r)
+
+
+def test_search_with_damaged_index_files_is_one_line(tmp_path, data_files, capsys):
+    out = tmp_path / "run"
+    unified.main(["--train-file", data_files[0], "--steps", "1", "--batch-size", "8", "--out-dir", str(out), *TINY])
+    search = ["--search", str(out), "--query", "find t3", "--max-query-length", "16"]
+    index, docs = out / unified.INDEX_FILE, out / unified.DOCUMENTS_FILE
+    whole_index, whole_docs = index.read_bytes(), docs.read_bytes()
+    damage = [
+        (index, whole_index[: len(whole_index) // 2], "truncated"),
+        (index, b"garbage, not a safetensors file", "not a safetensors file"),
+        (docs, whole_docs[: len(whole_docs) // 2], "invalid JSON"),
+        (docs, b'["one document"]', "but index.safetensors indexes"),
+        (docs, b'{"a": 1}', "not a JSON list"),
+        (docs, None, "documents.json is missing"),
+    ]
+    for path, content, expected in damage:
+        path.unlink()
+        if content is not None:
+            path.write_bytes(content)
+        err = error_of(capsys, unified.main, search)
+        assert expected in err and str(path.name) in err, err
+        index.write_bytes(whole_index)
+        docs.write_bytes(whole_docs)
+    assert unified.main(search)["results"]  # restored: it searches again
+
+
+def test_a_moved_train_file_resumes_when_its_contents_are_the_same(tmp_path, data_files, capsys):
+    first = tmp_path / "train.json"
+    shutil.copy(data_files[0], first)
+    out = str(tmp_path / "run")
+    common = ["--batch-size", "8", "--index", "none", "--out-dir", out, *TINY]
+    unified.main(["--train-file", str(first), "--steps", "2", *common])
+    moved = tmp_path / "elsewhere.json"
+    first.rename(moved)
+    assert "no longer exists" in error_of(capsys, unified.main, ["--resume", "--steps", "3", *common])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(synthetic(48, 5)))
+    assert "the contents differ" in error_of(capsys, unified.main, ["--resume", "--steps", "3", "--train-file",
+                                                                      str(other), *common])
+    result = unified.main(["--resume", "--steps", "3", "--train-file", str(moved), *common])
+    assert result["step"] == 3 and "moved from" in capsys.readouterr().out
+
+
+def test_memory_advice_fits_the_script(tmp_path, data_files, capsys):
+    """The unified script points to the optimized one; the optimized one names its own flags."""
+    argv = ["--train-file", data_files[0], "--batch-size", "100000000", "--out-dir", str(tmp_path / "m"), *TINY]
+    assert "use train_splade_optimized.py" in error_of(capsys, unified.main, argv)
+    err = error_of(capsys, optimized.main, argv)
+    assert "train_splade_optimized.py" not in err and "--gradient-accumulation-steps 2" in err, err
+    assert not os.path.exists(tmp_path / "m" / "metrics.jsonl")
+
+
+def test_val_file_needs_a_train_file(tmp_path, data_files, capsys):
+    err = error_of(capsys, unified.main, ["--val-file", data_files[1], "--out-dir", str(tmp_path / "v"), *TINY])
+    assert "--val-file goes with --train-file" in err
 
 
 # --- flags ----------------------------------------------------------------------------------------
