@@ -942,9 +942,9 @@ def run(args, run_dir, variant=None):
         log(f"step {step} (epoch {step / steps_per_epoch:.2f}): val {metrics_text(m)}")
         mlog.log(step=step, epoch=step / steps_per_epoch, val=m)
         improved, stop = update_best(progress, m, step, args)
-        if improved and args.save_best_only:
+        if improved and updates.in_a_row == 0 and args.save_best_only:
             save(step)
-        elif improved:
+        elif improved and updates.in_a_row == 0:
             save_model(os.path.join(out, "best"), model, cfg, tokenizer, step, updates.last_saved)
         return stop
 
@@ -997,8 +997,10 @@ def run(args, run_dir, variant=None):
             end_of_epoch = next_step % steps_per_epoch == 0 or next_step == total_steps
             if end_of_epoch and val_data:
                 stopped_early = validate(next_step)
-            if not args.save_best_only and ((end_of_epoch and next_step < total_steps) or
-                                            (args.save_interval and next_step % args.save_interval == 0)):
+            # No checkpoint in the middle of a run of skipped updates: it may be a divergence starting,
+            # and the last good checkpoint must stay the one --resume finds.
+            if not args.save_best_only and updates.in_a_row == 0 and (
+                    (end_of_epoch and next_step < total_steps) or (args.save_interval and next_step % args.save_interval == 0)):
                 save(next_step)
             if stopped_early:
                 log(f"early stopping: {args.early_stopping_monitor} has not improved by {args.early_stopping_min_delta} "
