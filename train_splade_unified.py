@@ -852,7 +852,7 @@ def run(args, run_dir, variant=None):
 
     # --- model configuration and memory (config.json alone: --estimate-memory is instant) ----------
     cfg, model_dir = model_config(args, run_dir, log)
-    args.lr = args.lr or (5e-5 if model_dir else 1e-3)  # fine-tuning moves little; from scratch needs more
+    args.lr = args.lr or (5e-5 if args.model_name else 1e-3)  # fine-tuning moves little; from scratch needs more
     k = args.negatives_per_query
     n_params = bert.param_count(cfg)
     estimate = estimate_memory(cfg, n_params, args.batch_size, k, args.max_query_length, args.max_length,
