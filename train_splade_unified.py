@@ -463,9 +463,15 @@ def splade_max(logits, attention_mask):
 
     log(1 + ReLU(x)) never decreases as x grows, so the max can be taken over the raw logits first
     and the activation applied to the [B, V] result: the same weights and gradients, without two
-    more [B, T, V] tensors kept for backward (the logits are by far the largest activation).
+    more [B, T, V] tensors kept for backward (the logits are by far the largest activation). Under
+    torch.no_grad (encoding for search) no backward needs the raw logits: they are masked in place,
+    one [B, T, V] tensor less.
     """
-    logits = logits.float().masked_fill(attention_mask.unsqueeze(-1) == 0, float("-inf"))
+    logits, padding = logits.float(), attention_mask.unsqueeze(-1) == 0
+    if torch.is_grad_enabled():
+        logits = logits.masked_fill(padding, float("-inf"))
+    else:
+        logits.masked_fill_(padding, float("-inf"))
     return torch.log1p(torch.relu(logits.amax(dim=1)))
 
 
@@ -537,18 +543,25 @@ def naive_step(model, micro_batches, lam_q, lam_d, amp, scaler):
 
 # --- encoding and search ------------------------------------------------------------------------
 @torch.no_grad()
-def encode(model, tokenizer, texts, max_length=256, batch_size=64, amp=None):
-    """SPLADE weights of each text: a float tensor [len(texts), vocab_size] on the CPU."""
+def encode_batches(model, tokenizer, texts, max_length=256, batch_size=64, amp=None):
+    """SPLADE weights of the texts, batch_size at a time: float tensors [rows, vocab_size] on the CPU.
+    A collection is indexed batch by batch (build_index), so its dense [texts, vocab] never exists."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(texts), batch_size):
-        rows = [tokenizer.encode(t, max_length=max_length) for t in texts[start:start + batch_size]]
-        ids, mask = pad(rows, tokenizer.pad_id)
-        out.append(encode_batch(model, ids.to(device), mask.to(device), amp).float().cpu())
-    model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0, tokenizer.vocab_size)
+    try:
+        for start in range(0, len(texts), batch_size):
+            rows = [tokenizer.encode(t, max_length=max_length) for t in texts[start:start + batch_size]]
+            ids, mask = pad(rows, tokenizer.pad_id)
+            yield encode_batch(model, ids.to(device), mask.to(device), amp).float().cpu()
+    finally:
+        model.train(was_training)
+
+
+def encode(model, tokenizer, texts, max_length=256, batch_size=64, amp=None):
+    """SPLADE weights of each text: a float tensor [len(texts), vocab_size] on the CPU."""
+    reps = list(encode_batches(model, tokenizer, texts, max_length, batch_size, amp))
+    return torch.cat(reps) if reps else torch.zeros(0, tokenizer.vocab_size)
 
 
 def load_model_and_tokenizer(name_or_dir, cache_dir=None, log=print):
@@ -601,13 +614,21 @@ def build_index(doc_reps):
 
     Stored as a CSR matrix [vocab, n_docs] (term-major): term_ptr[t]:term_ptr[t + 1] is term t's
     posting list in doc_ids / weights. A query touches only the posting lists of its own terms.
+    doc_reps: a [n_docs, vocab] tensor, or its rows in blocks (encode_batches), of which only the
+    nonzero entries are kept.
     """
-    nz = doc_reps.nonzero()  # (doc, term) pairs, in doc order
-    docs, terms = nz[:, 0], nz[:, 1]
-    order = torch.argsort(terms * len(doc_reps) + docs)
-    counts = torch.bincount(terms, minlength=doc_reps.shape[1])
+    docs, terms, weights, n_docs = [], [], [], 0
+    for block in [doc_reps] if torch.is_tensor(doc_reps) else doc_reps:
+        nz = block.nonzero()  # (doc, term) pairs, in doc order
+        docs.append(nz[:, 0] + n_docs)
+        terms.append(nz[:, 1])
+        weights.append(block[nz[:, 0], nz[:, 1]].float())
+        n_docs, vocab = n_docs + len(block), block.shape[1]
+    docs, terms, weights = torch.cat(docs), torch.cat(terms), torch.cat(weights)
+    order = torch.argsort(terms * n_docs + docs)
+    counts = torch.bincount(terms, minlength=vocab)
     term_ptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    return {"term_ptr": term_ptr, "doc_ids": docs[order], "weights": doc_reps[docs, terms][order].float()}
+    return {"term_ptr": term_ptr, "doc_ids": docs[order], "weights": weights[order]}
 
 
 def score(index, q_reps, n_docs):
@@ -691,13 +712,16 @@ def retrieval_metrics(scores, relevant):
 
 
 def evaluate(model, tokenizer, val, args, amp):
-    """Encode the whole val pool, index it, search with every val query; also the sparsity."""
+    """Index the val pool, search it with every val query -> (metrics and sparsity, the pool's index)."""
     queries, pool, relevant = val
-    d = encode(model, tokenizer, pool, args.max_length, args.eval_batch_size, amp)
-    q = encode(model, tokenizer, queries, args.max_query_length, args.eval_batch_size, amp)
-    result = retrieval_metrics(score(build_index(d), q, len(pool)), torch.tensor(relevant))
-    result.update(val_q_terms=(q > 0).sum(1).float().mean().item(), val_d_terms=(d > 0).sum(1).float().mean().item())
-    return result, d
+    index = build_index(encode_batches(model, tokenizer, pool, args.max_length, args.eval_batch_size, amp))
+    scores, q_terms = [], []
+    for q in encode_batches(model, tokenizer, queries, args.max_query_length, args.eval_batch_size, amp):
+        scores.append(score(index, q, len(pool)))
+        q_terms.append((q > 0).sum(1))
+    result = retrieval_metrics(torch.cat(scores), torch.tensor(relevant))
+    result.update(val_q_terms=torch.cat(q_terms).float().mean().item(), val_d_terms=len(index["weights"]) / len(pool))
+    return result, index
 
 
 def metrics_text(m):
@@ -925,7 +949,7 @@ def run(args, run_dir, variant=None):
              n_params=n_params, config=dataclasses.asdict(cfg), args=vars(args))
     # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
     updates = rundir.Updates(out, last_saved=start_step if run_dir.resumed else None)
-    last = {"step": None, "metrics": None, "pool_reps": None}  # the latest validation
+    last = {"step": None, "metrics": None, "index": None}  # the latest validation
 
     def save(step):
         """The model (Hugging Face layout), then what --resume needs; step = the next step to run."""
@@ -937,7 +961,7 @@ def run(args, run_dir, variant=None):
 
     def validate(step):
         """Retrieval on the val pool; keep the best model (OUT/best, or OUT itself with --save-best-only)."""
-        m, last["pool_reps"] = evaluate(model, tokenizer, val_data, args, amp)
+        m, last["index"] = evaluate(model, tokenizer, val_data, args, amp)
         last.update(step=step, metrics=m)
         log(f"step {step} (epoch {step / steps_per_epoch:.2f}): val {metrics_text(m)}")
         mlog.log(step=step, epoch=step / steps_per_epoch, val=m)
@@ -1028,11 +1052,10 @@ def run(args, run_dir, variant=None):
     index_docs = {"all": list(dict.fromkeys([*pool, *train_docs])), "pool": pool or train_docs, "none": []}[args.index]
     if index_docs:
         t0 = time.perf_counter()
-        if index_docs is pool and last["step"] == step and last["pool_reps"] is not None:
-            reps = last["pool_reps"]  # the final validation has just encoded exactly these, with these weights
+        if index_docs is pool and last["step"] == step and last["index"] is not None:
+            index = last["index"]  # the final validation has just indexed exactly these, with these weights
         else:
-            reps = encode(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp)
-        index = build_index(reps)
+            index = build_index(encode_batches(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp))
         save_index(out, index, index_docs, updates.last_saved)
         log(f"indexed {len(index_docs):,} documents ({len(index['weights']) / len(index_docs):.0f} terms per document, "
             f"{len(index['weights']):,} postings) in {time.perf_counter() - t0:.1f}s: {out}/{INDEX_FILE}; "

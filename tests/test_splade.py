@@ -93,6 +93,8 @@ def test_inverted_index_scores_equal_dot_products():
     s, e = index["term_ptr"][t].item(), index["term_ptr"][t + 1].item()
     assert index["doc_ids"][s:e].tolist() == docs[:, t].nonzero().flatten().tolist()
     assert torch.allclose(unified.score(index, queries, len(docs)), queries @ docs.T, atol=1e-6)
+    in_blocks = unified.build_index(iter([docs[:3], docs[3:4], docs[4:]]))  # as encode_batches gives them
+    assert all(torch.equal(index[key], in_blocks[key]) for key in index)
 
 
 # --- GradCache equals the full batch --------------------------------------------------------------
