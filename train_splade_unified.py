@@ -152,13 +152,13 @@ def build_parser(description=None, out_dir=OUT_DIR):
 # may be given again when its contents are the same. Every saved file is checked before anything is
 # written; the checks below catch what a truncated file would otherwise only show as a traceback.
 def check_vocab(path):
-    """vocab.txt has as many entries as the weights beside it were saved with."""
-    weights = os.path.join(os.path.dirname(path), bert.SAFETENSORS)
-    want = rundir.safetensors_metadata(weights).get("vocab_entries") if os.path.exists(weights) else None
+    """vocab.txt has as many entries as the vocabulary of the tokenizer.json beside it."""
+    beside = os.path.join(os.path.dirname(path), "tokenizer.json")
+    want = len(rundir.read_json(beside)["model"]["vocab"]) if os.path.exists(beside) else None
     with open(path, encoding="utf-8", errors="replace") as f:
         have = sum(1 for _ in f)
-    if want is not None and have != int(want):
-        raise rundir.damaged(path, f"{have:,} entries, but the model beside it was saved with {int(want):,}")
+    if want is not None and have != want:
+        raise rundir.damaged(path, f"{have:,} entries, but the tokenizer.json beside it has {want:,}")
 
 
 def check_index(path):
@@ -177,12 +177,13 @@ def check_documents(path):
         raise rundir.damaged(path, f"{len(documents):,} documents, but {INDEX_FILE} indexes {int(n_docs):,}")
 
 
-MODEL_FILES = {bert.CONFIG: "json", bert.SAFETENSORS: "safetensors", "vocab.txt": check_vocab,
+MODEL_FILES = {bert.CONFIG: "json", bert.SAFETENSORS: "safetensors", "tokenizer.json": "json", "vocab.txt": check_vocab,
                "tokenizer_config.json": "json", "special_tokens_map.json": "json"}
 RUN = rundir.Spec(
     saved={**MODEL_FILES, rundir.STATE: "state", **{f"best/{name}": check for name, check in MODEL_FILES.items()},
            INDEX_FILE: check_index, DOCUMENTS_FILE: check_documents},
-    optional=(*(f"best/{name}" for name in MODEL_FILES), INDEX_FILE, DOCUMENTS_FILE),
+    # vocab.txt is only written for a vocabulary without gaps (lib/wordpiece.py: WordPiece.save)
+    optional=("vocab.txt", *(f"best/{name}" for name in MODEL_FILES), INDEX_FILE, DOCUMENTS_FILE),
     written=(rundir.METRICS, "best"),
     same_step=(bert.SAFETENSORS,),
     fixed=("train_file", "val_file", "model_name", "vocab_size", "hidden_size", "num_layers", "num_heads", "dropout",
@@ -567,9 +568,9 @@ def encode(model, tokenizer, texts, max_length=256, batch_size=64, amp=None):
 def load_model_and_tokenizer(name_or_dir, cache_dir=None, log=print):
     """(model, cfg, tokenizer) from a BERT/DistilBERT masked-LM directory or hub id (lib/bert.py, lib/wordpiece.py)."""
     model, cfg, model_dir = bert.load_pretrained(name_or_dir, cache_dir=cache_dir, log=log)
-    tokenizer = wordpiece.load_wordpiece(model_dir)
+    tokenizer = wordpiece.load_tokenizer(model_dir, log=log)
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise UserError(f"{model_dir}: vocab.txt has {tokenizer.vocab_size} entries but the model only "
+        raise UserError(f"{tokenizer.where} has {tokenizer.vocab_size} entries but the model only "
                         f"{cfg.vocab_size}; the tokenizer does not belong to this model")
     return model, cfg, tokenizer
 
@@ -765,11 +766,12 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
 
 # --- save -----------------------------------------------------------------------------------------
 def save_model(out_dir, model, cfg, tokenizer, step, last_saved):
-    """A plain Hugging Face masked-LM directory: config.json, model.safetensors, vocab.txt,
-    tokenizer_config.json, special_tokens_map.json. Non-finite weights are never written: the run
+    """A plain Hugging Face masked-LM directory: config.json, model.safetensors, the tokenizer
+    (tokenizer.json, vocab.txt, tokenizer_config.json, special_tokens_map.json), which transformers and
+    sentence-transformers' SparseEncoder load as they are. Non-finite weights are never written: the run
     stops instead, naming the last finite checkpoint."""
     guards.check_finite_weights(model.state_dict(), step, last_saved, out_dir)
-    bert.save_pretrained(model, cfg, out_dir, metadata={"step": step, "vocab_entries": tokenizer.vocab_size})
+    bert.save_pretrained(model, cfg, out_dir, metadata={"step": step})
     tokenizer.save(out_dir)
 
 
@@ -803,11 +805,15 @@ def check_args(args):
 
 
 def model_config(args, run_dir, log):
-    """(cfg, model_dir): config.json alone for a checkpoint or the resumed run (so --estimate-memory and
-    the memory check come before any weight is read), the flags' shape from scratch (model_dir None)."""
+    """(cfg, model_dir): a checkpoint's (or the resumed run's) config, the flags' shape from scratch
+    (model_dir None). A real run checks the whole model directory first (config, weights against it,
+    the tokenizer: lib/bert.py check_model_dir), before any data is built; --estimate-memory reads
+    config.json alone (a hub id downloads nothing else)."""
     model_dir = run_dir.out_dir if run_dir.resumed else args.model_name
+    if model_dir and not args.estimate_memory:
+        model_dir = bert.check_model_dir(model_dir, args.cache_dir, log=log)
     if model_dir:
-        cfg = bert.load_config(model_dir, args.cache_dir, log=log)  # a hub id: config.json alone, for now
+        cfg = bert.load_config(model_dir, args.cache_dir, log=log)
     else:
         if args.hidden_size % args.num_heads:
             raise UserError(f"--hidden-size {args.hidden_size} is not divisible by --num-heads {args.num_heads}")
@@ -1045,7 +1051,7 @@ def run(args, run_dir, variant=None):
         last["step"] = None  # the model in memory changed
         log(f"--save-best-only: {out} holds the best model, step {updates.last_saved}")
     log(f"saved {out}: config.json, model.safetensors ({cfg.model_type} masked-LM, Hugging Face layout), "
-        f"vocab.txt, tokenizer_config.json, training_state.pt")
+        f"tokenizer.json, vocab.txt, tokenizer_config.json, training_state.pt")
 
     # --- index -------------------------------------------------------------------------------------
     train_docs = list(dict.fromkeys(t for ex in train for t in (ex.positive, *ex.negatives)))

@@ -293,7 +293,7 @@ def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, dat
     result = unified.main(["--train-file", train, "--val-file", val, "--out-dir", out, "--epochs", "3",
                            "--batch-size", "16", *TINY])
     assert result["final"]["mrr@10"] > result["first"]["mrr@10"] + 0.1, (result["first"], result["final"])
-    for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json", "training_state.pt",
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "tokenizer_config.json", "training_state.pt",
                  "metrics.jsonl", unified.INDEX_FILE, unified.DOCUMENTS_FILE, "best/model.safetensors"):
         assert os.path.isfile(os.path.join(out, name)), name
     assert json.load(open(os.path.join(out, "config.json")))["architectures"] == ["BertForMaskedLM"]
