@@ -342,6 +342,53 @@ def test_resume_refuses_a_contradicting_flag(tmp_path, data_files, capsys):
     assert "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
 
 
+# --- real model directories ---------------------------------------------------------------------------
+REAL = os.path.join(os.path.dirname(__file__), "fixtures", "real", "splade")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json_only(tmp_path_factory):
+    """A model directory laid out like the real splade-tiny (tests/fixtures/real/splade): its real
+    tokenizer.json and tokenizer_config.json, no vocab.txt; a 2-layer, 64-wide BERT over its 30,522
+    ids stands in for the weights, which stay out of git."""
+    d = tmp_path_factory.mktemp("tokenizer-json-only")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(REAL, name), d / name)
+    torch.manual_seed(0)
+    cfg = bert.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=128, max_position_embeddings=64)
+    bert.save_pretrained(unified.init_lexical(bert.init_weights(bert.build_model(cfg))), cfg, str(d))
+    return str(d)
+
+
+def test_a_tokenizer_json_only_directory_fine_tunes(tmp_path, data_files, tokenizer_json_only):
+    out = str(tmp_path / "ft")
+    result = unified.main(["--model-name", tokenizer_json_only, "--train-file", data_files[0], "--steps", "2",
+                           "--batch-size", "4", "--max-length", "16", "--max-query-length", "8", "--out-dir", out,
+                           "--index", "none", "--device", "cpu", "--log-interval", "1"])
+    assert result["step"] == 2 and "vocab.txt" not in os.listdir(tokenizer_json_only)
+    real = unified.wordpiece.load_tokenizer(tokenizer_json_only)
+    _, saved = unified.load_splade(out)  # the output's tokenizer: tokenizer.json (and vocab.txt) as saved
+    text = "Café déjà vu: the QUICK fox's e-mail, 東京 and [MASK]"
+    assert saved.encode(text) == real.encode(text) and saved.vocab_size == 30522
+    assert json.load(open(os.path.join(out, "tokenizer.json")))["model"]["vocab"] == \
+        json.load(open(os.path.join(REAL, "tokenizer.json")))["model"]["vocab"]
+
+
+def test_the_model_directory_is_checked_before_the_data_is_built(tmp_path, tokenizer_json_only, capsys):
+    """No --train-file: the embedded set takes seconds to build; a broken model directory must stop first."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tokenizer_json_only, broken)
+    (broken / "tokenizer.json").unlink()
+    whole = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SystemExit) as e:
+        unified.main(["--model-name", str(broken), "--out-dir", str(tmp_path / "out"), "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and "data:" not in captured.out, captured.out
+    assert "model.safetensors is truncated" in captured.err and "neither tokenizer.json nor vocab.txt" in captured.err
+
+
 # --- the run contract: what tests/test_run_contract.py does not already cover ---------------------
 def error_of(capsys, main, argv):
     with pytest.raises(SystemExit) as e:
