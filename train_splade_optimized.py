@@ -67,6 +67,8 @@ RUN = dataclasses.replace(unified.RUN, changeable=(*unified.RUN.changeable, "mem
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:
+        unified.steady_cpu_heap()
     try:
         if args.search or args.query:
             return unified.search_cli(args)

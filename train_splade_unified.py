@@ -40,6 +40,7 @@ not a competitive retriever. Explained with this repo's numbers in docs/splade_e
 
 import argparse
 import ast
+import ctypes
 import dataclasses
 import hashlib
 import json
@@ -198,9 +199,28 @@ RUN = rundir.Spec(
 )
 
 
+def steady_cpu_heap():
+    """Linux (glibc): hand freed blocks of 1 MiB or more back to the system at once.
+
+    By default glibc keeps freed blocks of up to 32 MiB in its heap for reuse. Every SPLADE batch is
+    padded to its own longest text, so the [tokens, vocabulary] tensors change size every step, rarely
+    fit the blocks freed before, and the resident set creeps up: to 1.4-2x what a step needs within a
+    few hundred steps (docs/splade_explained.md, section 5). With the threshold fixed the peak stays at
+    what a step needs, for a few percent more system time. Command-line runs only (main() without
+    argv): a program that imports this file keeps its own allocator settings.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).mallopt(-3, 1 << 20)  # -3: M_MMAP_THRESHOLD
+        except (OSError, AttributeError):
+            pass  # not glibc: nothing to set
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:
+        steady_cpu_heap()
     try:
         if args.search or args.query:
             return search_cli(args)
@@ -732,7 +752,7 @@ def metrics_text(m):
 
 # --- memory estimate ------------------------------------------------------------------------------
 def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp=False, checkpointing=False,
-                    optimizer_on_cpu=False, cached_batch=0):
+                    optimizer_on_cpu=False, cached_batch=0, eval_batch=64):
     """Predicted bytes per component for one SPLADE training step.
 
     A micro-batch encodes batch_size queries and batch_size (1 + k) documents. Per token and layer,
@@ -744,6 +764,10 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
     calibrated on CPU with bench/splade.py: 2.45 GiB measured for 2.38 GiB predicted). Gradient
     checkpointing keeps only each layer's input. cached_batch > 0 (GradCache) adds the cached
     representations of the whole effective batch and their gradients, [queries + documents, vocab].
+    Validation encodes eval_batch documents at a time without a graph: their logits (masked in place)
+    and one layer's temporaries; it adds to the peak only where that is more than a training step.
+    On CPU the measured peak is the process's resident set: Python, torch and the data come first
+    ("runtime baseline"), and steady_cpu_heap() keeps the allocator from adding to it.
     """
     s = 2 if amp else 4
     tokens = batch_size * q_len + batch_size * (1 + k) * d_len
@@ -760,6 +784,11 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
     }
     if cached_batch:
         estimate["cached representations + grads"] = cached_batch * (2 + k) * cfg.vocab_size * 4 * 2
+    eval_tokens = eval_batch * d_len
+    validation = eval_tokens * cfg.vocab_size * (4 if not amp else 2 + 4) + eval_tokens * cfg.hidden_size * 4 * 8
+    step = estimate["encoder activations"] + estimate["MLM logits + gradient"]
+    if validation > step:
+        estimate["validation batch, beyond a step"] = validation - step
     estimate["runtime baseline"] = {"cpu": 300 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)
     return estimate
 
@@ -886,7 +915,7 @@ def run(args, run_dir, variant=None):
     k = args.negatives_per_query
     n_params = bert.param_count(cfg)
     estimate = estimate_memory(cfg, n_params, args.batch_size, k, args.max_query_length, args.max_length,
-                               device.type, amp is not None, **variant.estimate_kwargs)
+                               device.type, amp is not None, eval_batch=args.eval_batch_size, **variant.estimate_kwargs)
     log(f"model: {cfg.model_type} {'from ' + model_dir if model_dir else 'from scratch'}, {cfg.num_hidden_layers} "
         f"layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n_params:,} parameters; device {device}, "
         f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; {args.batch_size} queries x "

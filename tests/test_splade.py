@@ -499,6 +499,17 @@ def test_estimate_memory_flags(capsys):
     assert "total (predicted peak)" in capsys.readouterr().out
 
 
+def test_the_estimate_counts_a_validation_batch_larger_than_a_step():
+    cfg = bert.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+    small = unified.estimate_memory(cfg, 10, batch_size=8, k=1, q_len=16, d_len=32, device_type="cpu", eval_batch=8)
+    assert "validation batch, beyond a step" not in small
+    big = unified.estimate_memory(cfg, 10, batch_size=8, k=1, q_len=16, d_len=32, device_type="cpu", eval_batch=512)
+    step = big["encoder activations"] + big["MLM logits + gradient"]
+    # 512 documents x 32 tokens: fp32 logits over the vocabulary, and 8 x hidden floats a token of temporaries
+    by_hand = 512 * 32 * 1000 * 4 + 512 * 32 * 64 * 4 * 8
+    assert big["validation batch, beyond a step"] == by_hand - step
+
+
 def test_stdlib_default_set_is_split_by_module():
     files = [f for f in unified.stdlib_data.stdlib_files() if f.startswith(("json/", "email/", "http/"))]
     train, val, pool = unified.stdlib_examples(files, n_train=1000, n_val=1000)
