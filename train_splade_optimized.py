@@ -59,9 +59,8 @@ def build_parser():
 
 # The run directory: the unified script's, and these flags may change on --resume (--force-device is
 # about this invocation only).
-RUN = dataclasses.replace(unified.RUN, changeable=(*unified.RUN.changeable, "memory_tracking", "memory_tracking_interval",
-                                                   "memory_efficient", "mixed_precision"),
-                          local=(*unified.RUN.local, "force_device"))
+RUN = dataclasses.replace(unified.RUN, local=(*unified.RUN.local, "force_device"), changeable=(
+    *unified.RUN.changeable, "memory_tracking", "memory_tracking_interval", "memory_efficient", "mixed_precision"))
 
 
 def main(argv=None):
@@ -245,8 +244,8 @@ def is_out_of_memory(err):
 def out_of_memory_advice(args, device):
     path = os.path.join(args.output_dir, checkpoint.WEIGHTS)
     step = checkpoint.weights_step(path) if os.path.isfile(path) else None
-    kept = (f"the last checkpoint (step {step}) in {args.output_dir} is kept, continue with --resume" if step is not None
-            else "no checkpoint was saved yet")
+    kept = ("no checkpoint was saved yet" if step is None else
+            f"the last checkpoint (step {step}) in {args.output_dir} is kept, continue with --resume")
     return f"out of memory on {device}; {kept}; try {memory_advice(args, device)}"
 
 

@@ -989,9 +989,9 @@ def run(args, run_dir, variant=None):
     def save(step):
         """The model (Hugging Face layout), then what --resume needs; step = the next step to run."""
         save_model(out, model, cfg, tokenizer, step, updates.last_saved)
-        rundir.save_state(run_dir, args, {"step": step, "optimizer": optimizer.state_dict(),
-                                          "rng_cpu": torch.get_rng_state(), "run": json.dumps(progress),
-                                          "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []})
+        rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        rundir.save_state(run_dir, args, {"step": step, "optimizer": optimizer.state_dict(), "run": json.dumps(progress),
+                                          "rng_cpu": torch.get_rng_state(), "rng_cuda": rng_cuda})
         updates.saved(step)
 
     def validate(step):
@@ -1058,13 +1058,13 @@ def run(args, run_dir, variant=None):
                 stopped_early = validate(next_step)
             # No checkpoint in the middle of a run of skipped updates: it may be a divergence starting,
             # and the last good checkpoint must stay the one --resume finds.
-            if not args.save_best_only and updates.in_a_row == 0 and (
-                    (end_of_epoch and next_step < total_steps) or (args.save_interval and next_step % args.save_interval == 0)):
+            due = (end_of_epoch and next_step < total_steps) or (args.save_interval and next_step % args.save_interval == 0)
+            if due and not args.save_best_only and updates.in_a_row == 0:
                 save(next_step)
             if stopped_early:
-                log(f"early stopping: {args.early_stopping_monitor} has not improved by {args.early_stopping_min_delta} "
-                    f"for {args.early_stopping_patience} validations (best {progress['best']:.4f} at step "
-                    f"{progress['best_step']})")
+                log(f"early stopping: {args.early_stopping_monitor} has not improved by "
+                    f"{args.early_stopping_min_delta} for {args.early_stopping_patience} validations "
+                    f"(best {progress['best']:.4f} at step {progress['best_step']})")
                 break
     except KeyboardInterrupt:  # save exactly the updates made so far (--save-best-only: OUT keeps the best), exit 130
         keep_best = args.save_best_only and updates.last_saved is not None
@@ -1090,7 +1090,8 @@ def run(args, run_dir, variant=None):
         if index_docs is pool and last["step"] == step and last["index"] is not None:
             index = last["index"]  # the final validation has just indexed exactly these, with these weights
         else:
-            index = build_index(encode_batches(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp))
+            reps = encode_batches(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp)
+            index = build_index(reps)  # block by block: the dense [documents, vocabulary] never exists
         save_index(out, index, index_docs, updates.last_saved)
         log(f"indexed {len(index_docs):,} documents ({len(index['weights']) / len(index_docs):.0f} terms per document, "
             f"{len(index['weights']):,} postings) in {time.perf_counter() - t0:.1f}s: {out}/{INDEX_FILE}; "
@@ -1107,7 +1108,7 @@ def run(args, run_dir, variant=None):
     if final:
         log(f"val {args.early_stopping_monitor}: {first[args.early_stopping_monitor]:.4f} before training, "
             f"{final[args.early_stopping_monitor]:.4f} now"
-            + (f" (best {progress['best']:.4f} at step {progress['best_step']})" if progress["best"] is not None else ""))
+            + ("" if progress["best"] is None else f" (best {progress['best']:.4f} at step {progress['best_step']})"))
     mlog.log(event="end", step=step, val=final, first_val=first, best=progress["best"], best_step=progress["best_step"],
              stopped_early=stopped_early, peak_memory=peak, memory_estimate=sum(estimate.values()),
              resident_before_training=resident_before)

@@ -49,9 +49,9 @@ class Case:
 
 GPT_TINY = [*TINY, "--steps", "4", "--eval-interval", "100", "--save-interval", "100", "--dropout", "0.1"]
 HUGE_BATCH = ["--batch-size", "100000000"]
-SPLADE_TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400", "--max-length", "32",
-               "--max-query-length", "16", "--device", "cpu", "--lr", "1e-2", "--warmup-steps", "2", "--steps", "4",
-               "--batch-size", "8", "--log-interval", "1"]
+SPLADE_TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400",
+               "--max-length", "32", "--max-query-length", "16", "--device", "cpu", "--lr", "1e-2", "--warmup-steps", "2",
+               "--steps", "4", "--batch-size", "8", "--log-interval", "1"]
 
 CASES = {
     # --- the pretraining scripts --------------------------------------------------------------------

@@ -241,7 +241,8 @@ def test_a_byte_order_mark_is_named_and_skipped(tmp_path):
         path = tmp_path / name
         path.write_bytes(b"\xef\xbb\xbf" + text.encode())
         notes = []
-        assert unified.read_examples(str(path), "--train-file", 1, log=notes.append) == [unified.Example("q one", "doc one", ["n1"])] * 2
+        read = unified.read_examples(str(path), "--train-file", 1, log=notes.append)
+        assert read == [unified.Example("q one", "doc one", ["n1"])] * 2
         assert len(notes) == 1 and "byte-order mark (BOM)" in notes[0] and str(path) in notes[0]
     path = tmp_path / "bad.jsonl"
     path.write_bytes(b"\xef\xbb\xbf" + f"{json.dumps(rec)}\n{{bad\n".encode())
@@ -293,8 +294,8 @@ def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, dat
     result = unified.main(["--train-file", train, "--val-file", val, "--out-dir", out, "--epochs", "3",
                            "--batch-size", "16", *TINY])
     assert result["final"]["mrr@10"] > result["first"]["mrr@10"] + 0.1, (result["first"], result["final"])
-    for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "tokenizer_config.json", "training_state.pt",
-                 "metrics.jsonl", unified.INDEX_FILE, unified.DOCUMENTS_FILE, "best/model.safetensors"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "tokenizer_config.json",
+                 "training_state.pt", "metrics.jsonl", unified.INDEX_FILE, unified.DOCUMENTS_FILE, "best/model.safetensors"):
         assert os.path.isfile(os.path.join(out, name)), name
     assert json.load(open(os.path.join(out, "config.json")))["architectures"] == ["BertForMaskedLM"]
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -500,7 +501,8 @@ def test_estimate_memory_flags(capsys):
 
 
 def test_the_estimate_counts_a_validation_batch_larger_than_a_step():
-    cfg = bert.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256)
+    cfg = bert.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=256)
     small = unified.estimate_memory(cfg, 10, batch_size=8, k=1, q_len=16, d_len=32, device_type="cpu", eval_batch=8)
     assert "validation batch, beyond a step" not in small
     big = unified.estimate_memory(cfg, 10, batch_size=8, k=1, q_len=16, d_len=32, device_type="cpu", eval_batch=512)
