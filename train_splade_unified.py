@@ -183,8 +183,9 @@ MODEL_FILES = {bert.CONFIG: "json", bert.SAFETENSORS: "safetensors", "tokenizer.
 RUN = rundir.Spec(
     saved={**MODEL_FILES, rundir.STATE: "state", **{f"best/{name}": check for name, check in MODEL_FILES.items()},
            INDEX_FILE: check_index, DOCUMENTS_FILE: check_documents},
-    # vocab.txt is only written for a vocabulary without gaps (lib/wordpiece.py: WordPiece.save)
-    optional=("vocab.txt", *(f"best/{name}" for name in MODEL_FILES), INDEX_FILE, DOCUMENTS_FILE),
+    # A tokenizer is tokenizer.json or vocab.txt (runs saved before tokenizer.json was written have only
+    # vocab.txt; a vocabulary with gaps has no vocab.txt): check_model_dir insists on one of them.
+    optional=("tokenizer.json", "vocab.txt", *(f"best/{name}" for name in MODEL_FILES), INDEX_FILE, DOCUMENTS_FILE),
     written=(rundir.METRICS, "best"),
     same_step=(bert.SAFETENSORS,),
     fixed=("train_file", "val_file", "model_name", "vocab_size", "hidden_size", "num_layers", "num_heads", "dropout",

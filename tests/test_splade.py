@@ -456,6 +456,18 @@ def test_a_moved_train_file_resumes_when_its_contents_are_the_same(tmp_path, dat
     assert result["step"] == 3 and "moved from" in capsys.readouterr().out
 
 
+def test_a_run_saved_with_vocab_txt_only_resumes(tmp_path, data_files, capsys):
+    """Runs saved before tokenizer.json was written have only vocab.txt; either file is a tokenizer."""
+    out = str(tmp_path / "run")
+    common = ["--batch-size", "8", "--index", "none", "--out-dir", out, *TINY]
+    unified.main(["--train-file", data_files[0], "--steps", "1", *common])
+    os.remove(os.path.join(out, "tokenizer.json"))
+    assert unified.main(["--resume", "--steps", "2", *common])["step"] == 2
+    for name in ("tokenizer.json", "vocab.txt"):
+        os.remove(os.path.join(out, name))
+    assert "neither tokenizer.json nor vocab.txt" in error_of(capsys, unified.main, ["--resume", "--steps", "3", *common])
+
+
 def test_memory_advice_fits_the_script(tmp_path, data_files, capsys):
     """The unified script points to the optimized one; the optimized one names its own flags."""
     argv = ["--train-file", data_files[0], "--batch-size", "100000000", "--out-dir", str(tmp_path / "m"), *TINY]
