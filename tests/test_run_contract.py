@@ -77,7 +77,15 @@ CASES = {
     # --- the judge scripts ---------------------------------------------------------------------------
 
     # --- WPO-SGM -------------------------------------------------------------------------------------
-
+    "train_wpo_sgm_memory_efficient": Case(
+        "train_wpo_sgm_memory_efficient",
+        ["--train_samples_size", "200", "--test_samples_size", "40", "--train_kernel_size", "9", "--batch_size", "16",
+         "--depth", "2", "--hiddenunits", "16", "--niters", "4", "--strategy", "chunked", "--chunk_size", "4",
+         "--eval-interval", "2", "--log-interval", "1", "--num-samples", "20"],
+        stop_at=2, weights=("model.safetensors",),
+        bad_overwrite=[["--data", "cifar10", "--data-dir", "/no/such/cifar-10-batches-bin"],
+                       ["--train_samples_size", "10000000000"]],  # 80 GB of samples: no plan fits
+        diverge=["--lr", "1e38", "--grad_clip", "0"]),
 }
 
 
