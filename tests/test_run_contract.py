@@ -49,6 +49,9 @@ class Case:
 
 GPT_TINY = [*TINY, "--steps", "4", "--eval-interval", "100", "--save-interval", "100", "--dropout", "0.1"]
 HUGE_BATCH = ["--batch-size", "100000000"]
+SPLADE_TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400",
+               "--max-length", "32", "--max-query-length", "16", "--device", "cpu", "--lr", "1e-2", "--warmup-steps", "2",
+               "--steps", "4", "--batch-size", "8", "--log-interval", "1"]
 
 CASES = {
     # --- the pretraining scripts --------------------------------------------------------------------
@@ -58,6 +61,18 @@ CASES = {
     # --- the fine-tuning scripts -------------------------------------------------------------------
 
     # --- SPLADE --------------------------------------------------------------------------------------
+    # A 2-layer, 64-wide BERT from scratch on 48 synthetic records (tests/test_splade.py: contract_data),
+    # validated on 16 more, so the finished run holds every saved file: the model, best/, the index.
+    "train_splade_unified": Case(
+        "train_splade_unified", SPLADE_TINY, stop_at=2, weights=("model.safetensors",),
+        bad_overwrite=[["--train-file", "/no/such/train.json"], HUGE_BATCH],
+        diverge=["--lambda-q", "1e30", "--lambda-d", "1e30", "--reg-warmup-steps", "0"], out_flag="--output-dir",
+        make_data=lambda tmp, source: importlib.import_module("test_splade").contract_data(tmp)),
+    "train_splade_optimized": Case(
+        "train_splade_optimized", [*SPLADE_TINY, "--batch-size", "4", "--gradient-accumulation-steps", "2"], stop_at=2,
+        weights=("model.safetensors",), bad_overwrite=[["--val-file", "/no/such/val.jsonl"], HUGE_BATCH],
+        diverge=["--lambda-q", "1e30", "--lambda-d", "1e30", "--reg-warmup-steps", "0"], out_flag="--output-dir",
+        make_data=lambda tmp, source: importlib.import_module("test_splade").contract_data(tmp)),
 
     # --- the judge scripts ---------------------------------------------------------------------------
 
