@@ -69,6 +69,11 @@ def base_and_data(tmp, source):
     checkpoint.save_hf(str(tmp / "base"), cfg, gpt.to_hf_state_dict(gpt.GPT(cfg)))
     return ["--init-from", str(tmp / "base"), "--data", source]
 
+
+SPLADE_TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400",
+               "--max-length", "32", "--max-query-length", "16", "--device", "cpu", "--lr", "1e-2", "--warmup-steps", "2",
+               "--steps", "4", "--batch-size", "8", "--log-interval", "1"]
+
 CASES = {
     # --- the pretraining scripts --------------------------------------------------------------------
     "train": Case("train", GPT_TINY, stop_at=2, weights=("model.safetensors",),
@@ -99,6 +104,18 @@ CASES = {
                            diverge=["--lr", "1e38", "--grad-clip", "0"], make_data=base_and_data),
 
     # --- SPLADE --------------------------------------------------------------------------------------
+    # A 2-layer, 64-wide BERT from scratch on 48 synthetic records (tests/test_splade.py: contract_data),
+    # validated on 16 more, so the finished run holds every saved file: the model, best/, the index.
+    "train_splade_unified": Case(
+        "train_splade_unified", SPLADE_TINY, stop_at=2, weights=("model.safetensors",),
+        bad_overwrite=[["--train-file", "/no/such/train.json"], HUGE_BATCH],
+        diverge=["--lambda-q", "1e30", "--lambda-d", "1e30", "--reg-warmup-steps", "0"], out_flag="--output-dir",
+        make_data=lambda tmp, source: importlib.import_module("test_splade").contract_data(tmp)),
+    "train_splade_optimized": Case(
+        "train_splade_optimized", [*SPLADE_TINY, "--batch-size", "4", "--gradient-accumulation-steps", "2"], stop_at=2,
+        weights=("model.safetensors",), bad_overwrite=[["--val-file", "/no/such/val.jsonl"], HUGE_BATCH],
+        diverge=["--lambda-q", "1e30", "--lambda-d", "1e30", "--reg-warmup-steps", "0"], out_flag="--output-dir",
+        make_data=lambda tmp, source: importlib.import_module("test_splade").contract_data(tmp)),
 
     # --- the judge scripts ---------------------------------------------------------------------------
 
