@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lib import gpt, lm_loss
+from lib import gpt, lm_loss, memory
 
 MODES = [False, True]  # recompute: gradients made in forward, or made in backward from logits made again
 
@@ -217,6 +217,11 @@ def test_default_chunk_size_from_vocabulary_and_width():
     assert lm_loss.default_chunk_size(50257, 128) == 32 * 2**20 // (4 * (50257 + 256)) == 166
     assert lm_loss.default_chunk_size(151936, 1536) == 54
     assert lm_loss.default_chunk_size(2_000_000, 64) == lm_loss.MIN_CHUNK_ROWS
+    # The estimate: one chunk's fp32 logits and d_hidden; under autocast also 16-bit copies.
+    assert memory.lm_loss_bytes(1024, 50257, 128) == 166 * 50257 * 4 + 1024 * 128 * 4
+    assert memory.lm_loss_bytes(10, 50257, 128, train_head=False) == 10 * 50257 * 4 + 10 * 128 * 4
+    assert memory.lm_loss_bytes(1024, 50257, 128, compute_bytes=2) == (166 * 50257 * 6 + 1024 * 128 * 4
+                                                                       + 2 * 50257 * 128 * 2)
 
 
 def test_bad_arguments_are_refused():
