@@ -45,17 +45,18 @@ stops on a non-finite loss.
 import torch
 import torch.nn.functional as F
 
-# Bytes of fp32 logits one chunk may hold: 32 MiB is 166 rows of GPT-2's 50,257-word vocabulary
-# and 55 of Qwen2's 151,936. Enough rows that the matmuls run at full speed and the head weight is
-# read few times; a small fraction of the whole logits; and (as two 16 MiB halves would not) it
-# still needs the kernel to zero fresh pages only for the chunk buffer, not for every step's 206 MB.
+# Rows per chunk: at least MIN_CHUNK_ROWS, more while the chunk's fp32 logits fit CHUNK_BYTES. Fewer
+# rows make the three matmuls slow: each chunk reads the whole [vocab, hidden] weight twice and adds
+# into the whole d_W once, so with 54 rows of Qwen2's 151,936 words (what 32 MiB alone would give) a
+# CPU spends a quarter more time than on the full logits; from about 256 rows on it is faster
+# (docs/big_vocab_loss.md). 256 rows of 151,936 fp32 logits are 148 MiB, a quarter of 1,024 rows'.
 CHUNK_BYTES = 32 * 2**20
-MIN_CHUNK_ROWS = 32
+MIN_CHUNK_ROWS = 256
 
 
 def default_chunk_size(vocab_size: int, hidden_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
     """Rows (tokens) per chunk: as many as fit chunk_bytes of fp32 logits plus the rows' hidden
-    states and gradients, and at least MIN_CHUNK_ROWS so that the head's matmul stays a matmul."""
+    states and gradients, and at least MIN_CHUNK_ROWS so that the matmuls run at full speed."""
     return max(MIN_CHUNK_ROWS, chunk_bytes // (4 * (vocab_size + 2 * hidden_size)))
 
 
@@ -65,6 +66,28 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
     if torch.is_autocast_enabled(kind) and hidden.is_floating_point():
         return torch.get_autocast_dtype(kind)
     return hidden.dtype
+
+
+class _ChunkBuffers:
+    """The one [rows, vocab] buffer every chunk reuses (fp32), plus a 16-bit one for the matmul's
+    output and the gradient's input under autocast. Made once per call, not once per chunk: a
+    buffer above glibc's 32 MiB mmap ceiling would otherwise be new pages, zeroed by the kernel
+    page by page, for every chunk (see the docs page)."""
+
+    def __init__(self, rows, vocab, acc, compute_dtype, device):
+        self.acc = torch.empty(rows, vocab, dtype=acc, device=device)
+        self.low = None if compute_dtype == acc else torch.empty(rows, vocab, dtype=compute_dtype, device=device)
+
+    def logits(self, h, w):
+        """The chunk's logits h @ w.T in the compute dtype, as an fp32 view of the buffer."""
+        z = self.acc[:h.shape[0]]
+        if self.low is None:
+            return torch.mm(h, w.t(), out=z)
+        return z.copy_(torch.mm(h, w.t(), out=self.low[:h.shape[0]]))
+
+    def to_compute(self, z):
+        """z in the compute dtype, for the gradient matmuls (itself in fp32)."""
+        return z if self.low is None else self.low[:z.shape[0]].copy_(z)
 
 
 def _chunk_softmax_minus_onehot(z, sumexp, safe, valid):
@@ -96,10 +119,11 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if fused and grad_weight else None)
         with torch.autocast(device.type, enabled=False):
             w = weight.to(compute_dtype)
+            buffers = _ChunkBuffers(min(chunk_size, n), weight.shape[0], acc, compute_dtype, device)
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)
                 h = hidden[s:e].to(compute_dtype)
-                z = (h @ w.t()).to(acc)  # the chunk's logits, [rows, vocab]
+                z = buffers.logits(h, w)  # the chunk's logits, [rows, vocab], fp32
                 target_logit = z.gather(1, safe[s:e, None]).squeeze(1)
                 # log-sum-exp, in place: subtract the row max, exp, sum, log, add the max back.
                 m = z.amax(dim=1, keepdim=True)
@@ -107,13 +131,12 @@ class _LinearCrossEntropy(torch.autograd.Function):
                 lse[s:e] = sumexp.log() + m.squeeze(1)
                 total += ((lse[s:e] - target_logit) * valid[s:e]).sum()
                 if fused:
-                    g = _chunk_softmax_minus_onehot(z, sumexp, safe[s:e], valid[s:e]).to(compute_dtype)
+                    g = buffers.to_compute(_chunk_softmax_minus_onehot(z, sumexp, safe[s:e], valid[s:e]))
                     if grad_hidden:
                         d_hidden[s:e] = g @ w
                     if grad_weight:
                         _add_weight_grad(d_weight, g, h)
-                    del g
-                del z, h
+            del buffers, w
         if fused:
             ctx.save_for_backward(d_hidden, d_weight, count)
         else:
@@ -142,23 +165,24 @@ class _LinearCrossEntropy(torch.autograd.Function):
         need_hidden, need_weight = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if not (need_hidden or need_weight):
             return None, None, *none
-        dt, acc = ctx.compute_dtype, lse.dtype
+        n, dt, acc = hidden.shape[0], ctx.compute_dtype, lse.dtype
         d_hidden = torch.empty_like(hidden) if need_hidden else None
         d_weight = (torch.zeros(weight.shape, dtype=torch.promote_types(weight.dtype, torch.float32),
                                 device=weight.device) if need_weight else None)
         with torch.autocast(hidden.device.type, enabled=False):
             w = weight.to(dt)
-            for s in range(0, hidden.shape[0], ctx.chunk_size):
-                e = min(s + ctx.chunk_size, hidden.shape[0])
+            buffers = _ChunkBuffers(min(ctx.chunk_size, n), weight.shape[0], acc, dt, hidden.device)
+            for s in range(0, n, ctx.chunk_size):
+                e = min(s + ctx.chunk_size, n)
                 h = hidden[s:e].to(dt)
-                z = (h @ w.t()).to(acc)  # the chunk's logits, made again
+                z = buffers.logits(h, w)  # the chunk's logits, made again
                 z.sub_(lse[s:e, None]).exp_()  # softmax
-                g = _chunk_softmax_minus_onehot(z, None, safe[s:e], valid[s:e]).to(dt)
+                g = buffers.to_compute(_chunk_softmax_minus_onehot(z, None, safe[s:e], valid[s:e]))
                 if need_hidden:
                     d_hidden[s:e] = g @ w
                 if need_weight:
                     _add_weight_grad(d_weight, g, h)
-                del z, g, h
+            del buffers, w
         scale = _scale(grad_loss, count, ctx.reduction, acc)
         if need_hidden:
             d_hidden.mul_(scale)

@@ -213,14 +213,14 @@ def test_no_tensor_of_tokens_x_vocab_is_ever_made(recompute):
 
 
 def test_default_chunk_size_from_vocabulary_and_width():
-    # 32 MiB of fp32 logits (plus the rows' hidden states and gradients) per chunk, at least 32 rows.
-    assert lm_loss.default_chunk_size(50257, 128) == 32 * 2**20 // (4 * (50257 + 256)) == 166
-    assert lm_loss.default_chunk_size(151936, 1536) == 54
-    assert lm_loss.default_chunk_size(2_000_000, 64) == lm_loss.MIN_CHUNK_ROWS
+    # At least 256 rows (fast matmuls), more while the fp32 logits (plus the rows' hidden states and
+    # gradients) fit 32 MiB: a small vocabulary gets many rows, GPT-2's and Qwen2's get 256.
+    assert lm_loss.default_chunk_size(1000, 64) == 32 * 2**20 // (4 * (1000 + 128)) == 7436
+    assert lm_loss.default_chunk_size(50257, 128) == lm_loss.default_chunk_size(151936, 1536) == 256
     # The estimate: one chunk's fp32 logits and d_hidden; under autocast also 16-bit copies.
-    assert memory.lm_loss_bytes(1024, 50257, 128) == 166 * 50257 * 4 + 1024 * 128 * 4
+    assert memory.lm_loss_bytes(1024, 50257, 128) == 256 * 50257 * 4 + 1024 * 128 * 4
     assert memory.lm_loss_bytes(10, 50257, 128, train_head=False) == 10 * 50257 * 4 + 10 * 128 * 4
-    assert memory.lm_loss_bytes(1024, 50257, 128, compute_bytes=2) == (166 * 50257 * 6 + 1024 * 128 * 4
+    assert memory.lm_loss_bytes(1024, 50257, 128, compute_bytes=2) == (256 * 50257 * 6 + 1024 * 128 * 4
                                                                        + 2 * 50257 * 128 * 2)
 
 
