@@ -5,7 +5,7 @@ lib/llama.py (the judge scripts); onefile_train.py carries a compact copy. docs/
 tells the story with numbers.
 
 The one idea: a small model's largest tensor is its logits, tokens x vocabulary (8 x 128 x 50,257
-floats = 206 MB for this repo's tiny GPT, whose weights are 27 MB), yet the loss needs only one
+floats = 206 MB for this repo's tiny GPT, whose weights are 29 MB), yet the loss needs only one
 number per token from them: log-sum-exp over the vocabulary minus the target's logit. And the
 gradient needs them only for a moment, per row:
 
@@ -24,8 +24,8 @@ When are the gradients made? Two ways, both here, both in one torch.autograd.Fun
 - recompute=True: forward keeps only the hidden states and one log-sum-exp per row; backward makes
   each chunk's logits again (a fourth matmul) and turns them into the gradients. Nothing the size of
   the weight is held between forward and backward: the choice when they are far apart (a loop that
-  runs several forwards before one backward). On a CPU the extra matmul costs about a third of the
-  head's time, which in this repo's tiny default is most of a step: so it is not the default.
+  runs several forwards before one backward). On a CPU the loss then takes 1.4 to 1.5 times the
+  CPU time, and in this repo's tiny default the head is most of a step: so it is not the default.
 Checkpointing (torch.utils.checkpoint around a per-chunk F.cross_entropy) would also recompute,
 but it rebuilds each chunk's autograd graph, keeps the chunk's logits, fp32 copy, log-softmax and
 gradient alive together, and hands autograd one [vocab, hidden] weight gradient per chunk to add.
@@ -48,7 +48,7 @@ import torch.nn.functional as F
 # Rows per chunk: at least MIN_CHUNK_ROWS, more while the chunk's fp32 logits fit CHUNK_BYTES. Fewer
 # rows make the three matmuls slow: each chunk reads the whole [vocab, hidden] weight twice and adds
 # into the whole d_W once, so with 54 rows of Qwen2's 151,936 words (what 32 MiB alone would give) a
-# CPU spends a quarter more time than on the full logits; from about 256 rows on it is faster
+# CPU spends a quarter more time than on the full logits; from about 256 rows on it is as fast
 # (docs/big_vocab_loss.md). 256 rows of 151,936 fp32 logits are 148 MiB, a quarter of 1,024 rows'.
 CHUNK_BYTES = 32 * 2**20
 MIN_CHUNK_ROWS = 256
