@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -86,6 +87,7 @@ def main(argv=None):
         },
     }
     print(json.dumps(report, indent=2))
+    shutil.rmtree(work, ignore_errors=True)  # the runs' checkpoints (and the cache, unless --cache-dir)
     return report
 
 

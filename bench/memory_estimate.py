@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -59,6 +60,7 @@ def main(argv=None):
     report = {"bench": "memory_estimate", "device": args.device, "shapes": rows,
               "all_within_target": all(abs(r["measured_over_predicted"] - 1) <= limit for r in rows)}
     print(json.dumps(report, indent=2))
+    shutil.rmtree(work, ignore_errors=True)
     return report
 
 
