@@ -302,9 +302,43 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(positions))
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
-        # Cross-entropy in fp32 even under autocast: log-softmax over 50k classes needs the range.
-        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+        x = self.transformer.ln_f(x).flatten(0, 1)  # [tokens, n_embd]: what lm_head turns into logits
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        return LinearCrossEntropy.apply(x, self.lm_head.weight, targets.flatten(), dtype)
+
+
+class LinearCrossEntropy(torch.autograd.Function):
+    """The mean cross-entropy of x @ weight.T against targets, a few hundred rows at a time, so that the [tokens,
+    vocab] logits never exist whole (lib/lm_loss.py compacted, docs/big_vocab_loss.md explained)."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, dtype):
+        rows = max(256, 2**25 // (4 * (weight.shape[0] + 2 * weight.shape[1])))  # 32 MiB of logits, 256 rows
+        total, d_hidden = torch.zeros((), device=hidden.device), torch.empty_like(hidden)
+        d_weight = torch.zeros_like(weight)  # the head's gradient, in fp32 as the weight is
+        with torch.autocast(hidden.device.type, enabled=False):  # the matmuls in dtype, the softmax in fp32
+            w, buffer = weight.to(dtype), torch.empty(min(rows, len(hidden)), weight.shape[0], device=hidden.device)
+            for start in range(0, len(hidden), rows):
+                h, t = hidden[start : start + rows].to(dtype), targets[start : start + rows, None]
+                z = buffer[: len(h)]  # this chunk's fp32 logits, in the one buffer every chunk reuses: no new pages
+                torch.mm(h, w.t(), out=z) if dtype == torch.float32 else z.copy_(h @ w.t())
+                target_logit = z.gather(1, t).squeeze(1)
+                top = z.amax(dim=1, keepdim=True)  # subtracted before exp, so nothing overflows
+                sumexp = z.sub_(top).exp_().sum(dim=1)
+                total += (sumexp.log() + top.squeeze(1) - target_logit).sum()  # log-sum-exp - the target's logit
+                # z becomes, in place, d loss / d logits = softmax - onehot(target): then d x and d weight
+                grad = z.mul_(sumexp.reciprocal()[:, None]).scatter_add_(1, t, -torch.ones_like(top)).to(dtype)
+                d_hidden[start : start + rows] = grad @ w
+                # d_weight += grad^T h, in fp32: addmm_ where the dtypes allow, a 16-bit product added otherwise
+                d_weight.addmm_(grad.t(), h) if grad.dtype == d_weight.dtype else d_weight.add_(grad.t() @ h)
+        ctx.save_for_backward(d_hidden, d_weight)
+        return total / len(hidden)
+
+    @staticmethod
+    def backward(ctx, grad_loss):  # the mean's 1 / tokens, times what comes from above (1 / --grad-accum)
+        d_hidden, d_weight = ctx.saved_tensors
+        scale = grad_loss.float() / len(d_hidden)
+        return d_hidden.mul_(scale), d_weight.mul_(scale), None, None
 
 
 # --- optimiser, learning-rate schedule, memory ----------------------------------------------------
@@ -335,8 +369,10 @@ def estimate_memory(cfg, n_params, batch_size, device_type, amp):
     per_block = tokens * cfg.n_embd * (2 * 4 + 15 * act_bytes + (6 if cfg.dropout > 0 else 0))
     return {"weights, gradients, AdamW moments": n_params * 16,
             "activations": cfg.n_layer * per_block + tokens * cfg.n_embd * 4 * 3,  # + embeddings out, ln_f in/out
-            # the logits, their fp32 log-softmax and both gradients (+ an fp32 copy of 16-bit logits)
-            "logits + loss": tokens * cfg.vocab_size * ((2 + 4 + 4 + 4 + 2) if amp else 16),
+            # the loss: a chunk's fp32 logits (+ a bf16 copy), d x, under bf16 the head's copy and a chunk's d_W;
+            # and, for a moment, the tied embedding's second gradient
+            "loss": min(tokens, max(256, 2**25 // (4 * (cfg.vocab_size + 2 * cfg.n_embd)))) * cfg.vocab_size
+            * (6 if amp else 4) + tokens * cfg.n_embd * 4 + cfg.vocab_size * cfg.n_embd * (8 if amp else 4),
             # Python with torch and the BPE table loaded; CUDA's max_memory_allocated counts tensors only.
             "runtime": {"cpu": 250 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)}
 
