@@ -1,5 +1,7 @@
 """The judge scripts: metrics against hand-computed values, prompt masking, data errors, the embedded
-set, the memory estimate, and both scripts end to end on --model tiny (CPU)."""
+set, the memory estimate, and both scripts end to end on --model tiny (CPU). The run contract
+(--resume, --overwrite, damaged files, Ctrl-C) is tests/test_run_contract.py's; here only what is
+particular to the judge (which flags a resume keeps, the reference scores, --max_seq_length)."""
 
 import json
 import math
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lib import judge
+import judge_train_cuda
+import judge_train_mps as judge
 from lib.errors import UserError
 
 
@@ -194,33 +197,19 @@ def test_estimate_matches_a_built_model():
 
 
 # --- both scripts end to end on --model tiny (CPU) -------------------------------------------------
-import judge_train_cuda  # noqa: E402
-import judge_train_mps  # noqa: E402
 from conftest import read_metrics  # noqa: E402
 
 QUICK = ["--model", "tiny", "--device", "cpu", "--log_interval", "5"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, isolated_cache_module):
-    """One short fine-tuning run of the MPS script on the tiny demo (the base is built once per session)."""
+def trained(tmp_path_factory):
+    """One short fine-tuning run of the MPS script on the tiny demo (the base is built once per session,
+    in the session's cache: tests/conftest.py points BYHAND_CACHE there before any module is imported)."""
     out = str(tmp_path_factory.mktemp("judge_mps"))
-    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "800", "--eval_steps", "50",
+    res = judge.main([*QUICK, "--output_dir", out, "--max_samples", "800", "--eval_steps", "50",
                                 "--test_samples", "24", "--log_interval", "50"])
     return out, res
-
-
-@pytest.fixture(scope="module")
-def isolated_cache_module(tmp_path_factory):
-    # The autouse isolated_cache fixture is function-scoped; the module fixtures need the same cache.
-    cache = tmp_path_factory.getbasetemp() / "byhand-cache"
-    old = os.environ.get("BYHAND_CACHE")
-    os.environ["BYHAND_CACHE"] = str(cache)
-    yield str(cache)
-    if old is None:
-        os.environ.pop("BYHAND_CACHE", None)
-    else:
-        os.environ["BYHAND_CACHE"] = old
 
 
 def test_fine_tuned_judge_beats_untrained(trained):
@@ -255,7 +244,7 @@ def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
     trained_cuda = judge_train_cuda.main([*QUICK, "--output_dir", cuda_out, "--max_samples", "32", "--epochs", "1",
                                           "--skip_eval"])
     assert trained_cuda["best_step"] is not None
-    back = judge_train_mps.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
+    back = judge.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
                                  str(tmp_path / "mps_eval"), "--test_samples", "8", "--max_new_tokens", "12"])
     assert back["test"]["n"] == 8
 
@@ -263,22 +252,22 @@ def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
 def test_overwrite_refusal_and_resume_flag_check(trained, capsys):
     out, _ = trained
     with pytest.raises(SystemExit) as e:
-        judge_train_mps.main([*QUICK, "--output_dir", out, "--epochs", "1"])
+        judge.main([*QUICK, "--output_dir", out, "--epochs", "1"])
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "already holds a saved run" in err and "--overwrite" in err and "--resume" in err
     with pytest.raises(SystemExit) as e:
-        judge_train_mps.main([*QUICK, "--output_dir", out, "--resume", "--batch_size", "4"])
+        judge.main([*QUICK, "--output_dir", out, "--resume", "--batch_size", "4"])
     assert e.value.code == 2 and "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
 
 
-def test_resume_is_exact(tmp_path, monkeypatch, isolated_cache_module):
+def test_resume_is_exact(tmp_path, monkeypatch):
     from lib import optim
 
     args = [*QUICK, "--max_samples", "48", "--epochs", "2", "--eval_steps", "4",
             "--skip_eval"]  # batch 8: 6 steps an epoch, 12 in all, evaluations at 0, 4, 8 and the end
     straight = str(tmp_path / "straight")
-    judge_train_mps.main([*args, "--output_dir", straight])
+    judge.main([*args, "--output_dir", straight])
     # the same run, interrupted (Ctrl-C) as step 7 starts, then resumed
     resumed = str(tmp_path / "resumed")
     real = optim.lr_at
@@ -290,10 +279,10 @@ def test_resume_is_exact(tmp_path, monkeypatch, isolated_cache_module):
 
     monkeypatch.setattr(optim, "lr_at", interrupting)
     with pytest.raises(SystemExit) as e:
-        judge_train_mps.main([*args, "--output_dir", resumed])
+        judge.main([*args, "--output_dir", resumed])
     assert e.value.code == 130
     monkeypatch.setattr(optim, "lr_at", real)
-    judge_train_mps.main([*args, "--output_dir", resumed, "--resume"])
+    judge.main([*args, "--output_dir", resumed, "--resume"])
     a = {r["step"]: r["loss"] for r in read_metrics(straight) if "loss" in r}
     b = {r["step"]: r["loss"] for r in read_metrics(resumed) if "loss" in r}
     assert len(a) == 12 and a == b
@@ -302,7 +291,7 @@ def test_resume_is_exact(tmp_path, monkeypatch, isolated_cache_module):
     assert va == vb and len(va) == 4
 
 
-def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch, isolated_cache_module):
+def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch):
     real = torch.nn.utils.clip_grad_norm_
     calls = {"n": 0}
 
@@ -313,7 +302,7 @@ def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch, isolated_cac
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", first_is_nan)
     out = str(tmp_path / "nan")
-    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "16", "--epochs", "1", "--skip_eval"])
+    res = judge.main([*QUICK, "--output_dir", out, "--max_samples", "16", "--epochs", "1", "--skip_eval"])
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert [r.get("skipped", False) for r in steps] == [True, False]
     assert res["best_step"] is not None
