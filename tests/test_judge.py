@@ -121,6 +121,40 @@ def test_data_errors_name_file_record_field(tmp_path, content, needle):
     assert needle in str(e.value) and path in str(e.value)
 
 
+@pytest.mark.parametrize("answer, found", [
+    ("Score: 15/10\nFeedback: fine", "found 'Score: 15/10'"),
+    ("Score: 42/10", "found 'Score: 42/10'"),
+    ("Score: -3/10\nFeedback: bad", "found 'Score: -3/10'"),
+    ("Score: 7/100", "found 'Score: 7/100'"),
+    ("7 out of 10", "it has no 'Score:'"),
+])
+def test_reference_scores_must_be_0_to_10(tmp_path, answer, found):
+    """A reference is what the judge is graded against: a score outside 0-10 (or none) is the data's
+    fault, said with the file, the record and what was found, before any model is built."""
+    for split in ("train", "val", "test"):
+        _write(tmp_path, split, GOOD)
+    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+    path = _write(tmp_path, "test", [GOOD[0], bad])
+    with pytest.raises(UserError) as e:
+        judge.load_judge_data(str(tmp_path))
+    message = str(e.value)
+    assert message.startswith(f"{path}: record 1: field messages[1].content: a reference answer must give its "
+                              f"score as `Score: X/10` with X from 0 to 10"), message
+    assert found in message
+    assert judge.parse_score("Score: 10/10") == 10.0 and judge.parse_score("Score: 0/10") == 0.0
+    assert judge.parse_score(answer) is None  # nor does a prediction with such a score count as scored
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    for split in ("train", "val", "test"):
+        path = _write(tmp_path, split, GOOD)
+        with open(path, "rb") as f:
+            body = f.read()
+        with open(path, "wb") as f:
+            f.write(b"\xef\xbb\xbf" + body)
+    assert judge.load_judge_data(str(tmp_path))["val"] == [GOOD[0]["messages"]]
+
+
 def test_data_dir_reads_and_ignores_extra_keys(tmp_path):
     for split in ("train", "val", "test"):
         _write(tmp_path, split, GOOD)
@@ -249,46 +283,59 @@ def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
     assert back["test"]["n"] == 8
 
 
-def test_overwrite_refusal_and_resume_flag_check(trained, capsys):
-    out, _ = trained
-    with pytest.raises(SystemExit) as e:
-        judge.main([*QUICK, "--output_dir", out, "--epochs", "1"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "already holds a saved run" in err and "--overwrite" in err and "--resume" in err
-    with pytest.raises(SystemExit) as e:
+def write_judge_dir(directory, seed=0, sizes=None):
+    os.makedirs(directory, exist_ok=True)
+    for split, records in judge.embedded_judge_set(seed, sizes or {"train": 48, "val": 8, "test": 16}).items():
+        with open(judge.split_path(str(directory), split), "w", encoding="utf-8") as f:
+            json.dump(records, f)
+
+
+def test_resume_keeps_the_saved_flags_and_finds_moved_data(tmp_path, capsys):
+    """Issue 14's case: after a run with --data_dir D --max_samples 40 --lr 0.01 --eval_steps 2
+    --test_samples 16, `--resume --epochs 2` keeps every one of them; the LoRA rank the run used is
+    recorded (a resume naming it is not a contradiction); a moved --data_dir with the same contents
+    resumes, one with other contents is refused."""
+    data, out = tmp_path / "data", str(tmp_path / "run")
+    write_judge_dir(data)
+    judge.main([*QUICK, "--output_dir", out, "--data_dir", str(data), "--max_samples", "40", "--lr", "0.01",
+                "--eval_steps", "2", "--test_samples", "16", "--epochs", "1", "--max_new_tokens", "12"])
+    capsys.readouterr()
+    res = judge.main(["--model", "tiny", "--device", "cpu", "--output_dir", out, "--resume", "--epochs", "2"])
+    log = capsys.readouterr().out
+    assert "--resume: --epochs changed from 1 to 2" in log and "changed from 0.01" not in log
+    assert f"data: 40 train / 8 val / 16 test conversations ({data})" in log
+    saved = [r for r in read_metrics(out) if r.get("event") == "start"][-1]
+    assert {k: saved["args"][k] for k in ("data_dir", "max_samples", "lr", "eval_steps", "test_samples",
+                                           "max_new_tokens", "lora_r", "epochs")} == {
+        "data_dir": str(data), "max_samples": 40, "lr": 0.01, "eval_steps": 2, "test_samples": 16,
+        "max_new_tokens": 12, "lora_r": 8, "epochs": 2}
+    assert saved["step"] == 5 and saved["total_steps"] == 10 and res["test"]["n"] == 16
+    with pytest.raises(SystemExit) as e:  # a fixed flag given with another value
         judge.main([*QUICK, "--output_dir", out, "--resume", "--batch_size", "4"])
     assert e.value.code == 2 and "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
-
-
-def test_resume_is_exact(tmp_path, monkeypatch):
-    from lib import optim
-
-    args = [*QUICK, "--max_samples", "48", "--epochs", "2", "--eval_steps", "4",
-            "--skip_eval"]  # batch 8: 6 steps an epoch, 12 in all, evaluations at 0, 4, 8 and the end
-    straight = str(tmp_path / "straight")
-    judge.main([*args, "--output_dir", straight])
-    # the same run, interrupted (Ctrl-C) as step 7 starts, then resumed
-    resumed = str(tmp_path / "resumed")
-    real = optim.lr_at
-
-    def interrupting(step, *a):
-        if step == 7:
-            raise KeyboardInterrupt
-        return real(step, *a)
-
-    monkeypatch.setattr(optim, "lr_at", interrupting)
+    # the data moved: the same contents under another name continue the run
+    moved = tmp_path / "moved"
+    os.rename(data, moved)
+    judge.main([*QUICK, "--output_dir", out, "--resume", "--epochs", "3", "--data_dir", str(moved), "--lora_r", "8",
+                "--skip_eval"])
+    assert f"--data-dir moved from {data} to {moved} (same contents)" in capsys.readouterr().out
+    other = tmp_path / "other"
+    write_judge_dir(other, seed=1)
+    before = open(os.path.join(out, "training_state.pt"), "rb").read()
     with pytest.raises(SystemExit) as e:
-        judge.main([*args, "--output_dir", resumed])
-    assert e.value.code == 130
-    monkeypatch.setattr(optim, "lr_at", real)
-    judge.main([*args, "--output_dir", resumed, "--resume"])
-    a = {r["step"]: r["loss"] for r in read_metrics(straight) if "loss" in r}
-    b = {r["step"]: r["loss"] for r in read_metrics(resumed) if "loss" in r}
-    assert len(a) == 12 and a == b
-    va = [(r["step"], r["val_loss"]) for r in read_metrics(straight) if "val_loss" in r and "event" not in r]
-    vb = [(r["step"], r["val_loss"]) for r in read_metrics(resumed) if "val_loss" in r and "event" not in r]
-    assert va == vb and len(va) == 4
+        judge.main([*QUICK, "--output_dir", out, "--resume", "--epochs", "4", "--data_dir", str(other)])
+    assert e.value.code == 2 and "(the contents differ)" in capsys.readouterr().err
+    assert open(os.path.join(out, "training_state.pt"), "rb").read() == before
+
+
+def test_a_max_seq_length_that_leaves_no_answer_token_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        judge.main([*QUICK, "--output_dir", str(out), "--max_samples", "16", "--max_seq_length", "1"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --max_seq_length 1 leaves no answer token") and "--max_seq_length 1" in err
+    assert not out.exists() or os.listdir(out) == []  # nothing written, not even metrics.jsonl
 
 
 def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch):

@@ -49,6 +49,9 @@ class Case:
 
 GPT_TINY = [*TINY, "--steps", "4", "--eval-interval", "100", "--save-interval", "100", "--dropout", "0.1"]
 HUGE_BATCH = ["--batch-size", "100000000"]
+JUDGE_TINY = ["--model", "tiny", "--device", "cpu", "--max_samples", "24", "--epochs", "1", "--eval_steps", "2",
+              "--skip_eval", "--log_interval", "1"]
+HUGE_LORA = ["--lora_r", "100000000"]  # the judge's batches are at most its data: a rank no machine can hold
 
 CASES = {
     # --- the pretraining scripts --------------------------------------------------------------------
@@ -60,6 +63,14 @@ CASES = {
     # --- SPLADE --------------------------------------------------------------------------------------
 
     # --- the judge scripts ---------------------------------------------------------------------------
+    # The tiny demo base (built once per test session, in its cache), 24 conversations of the embedded set:
+    # 3 steps of 8, validations at steps 0, 2 and 3. The saved weights are the best adapter's.
+    "judge_train_mps": Case("judge_train_mps", JUDGE_TINY, stop_at=2, weights=("adapter_model.safetensors",),
+                            bad_overwrite=[["--data_dir", "/no/such/judge_data"], HUGE_LORA], diverge=["--lr", "1e30"],
+                            out_flag="--output_dir"),
+    "judge_train_cuda": Case("judge_train_cuda", JUDGE_TINY, stop_at=2, weights=("adapter_model.safetensors",),
+                             bad_overwrite=[["--data_dir", "/no/such/judge_data"], HUGE_LORA], diverge=["--lr", "1e30"],
+                             out_flag="--output_dir"),
 
     # --- WPO-SGM -------------------------------------------------------------------------------------
 
