@@ -1,7 +1,7 @@
 """BERT and DistilBERT masked-language models, by hand, loading and saving Hugging Face checkpoints.
 
 Used by train_splade_unified.py and train_splade_optimized.py (SPLADE reads the masked-LM logits as
-term weights). The one idea: both are the same post-LayerNorm encoder (embeddings, then blocks of
+term weights); check_model_dir() is what they call first, before any data is built. The one idea: both are the same post-LayerNorm encoder (embeddings, then blocks of
 "x = LN(x + attention(x)); x = LN(x + FFN(x))", then an MLM head whose output matrix is the word
 embedding matrix again); they differ in names and in two details (DistilBERT has no token-type
 embeddings and half the layers). Module names follow transformers' key names, so loading a
@@ -11,6 +11,7 @@ checkpoint is a short, readable rename (see hf_to_ours / ours_to_hf), not a conv
 import json
 import os
 import re
+import zipfile
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -18,7 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lib import hub
+from lib import hub, wordpiece
 from lib.checkpoint import atomic_write, save_json
 from lib.errors import UserError
 
@@ -347,7 +348,8 @@ def from_hf_state_dict(hf: dict, cfg: BertConfig, where: str, allow_missing_head
     for tied in TIED[t]:
         if tied in sd:
             v = sd.pop(tied)
-            if tied.endswith("weight") and emb in sd and v.shape == sd[emb].shape and not torch.equal(v, sd[emb]):
+            if tied.endswith("weight") and emb in sd and v.shape == sd[emb].shape and not v.is_meta \
+                    and not torch.equal(v, sd[emb]):
                 log(f"note: {where}: {ours_to_hf(tied, t)} differs from the word embeddings; using the word "
                     f"embeddings (the decoder is tied, as transformers does)")
     if t == "distilbert" and emb in sd:
@@ -384,13 +386,14 @@ def from_hf_state_dict(hf: dict, cfg: BertConfig, where: str, allow_missing_head
 # ---- files ----
 
 CONFIG, SAFETENSORS, TORCH_BIN = "config.json", "model.safetensors", "pytorch_model.bin"
+TOKENIZER_FILES = ("tokenizer.json", "vocab.txt")  # either one; tokenizer.json wins, as in transformers
 
 
 def read_config(model_dir: str) -> BertConfig:
     path = os.path.join(model_dir, CONFIG)
     if not os.path.isfile(path):
         raise UserError(f"{path} is missing; pass a Hugging Face BERT or DistilBERT directory (config.json, "
-                        f"model.safetensors, vocab.txt) or a hub id")
+                        f"model.safetensors, tokenizer.json or vocab.txt) or a hub id")
     try:
         with open(path, encoding="utf-8") as f:
             return config_from_hf(json.load(f))
@@ -398,33 +401,71 @@ def read_config(model_dir: str) -> BertConfig:
         raise UserError(f"{path} is not a BERT or DistilBERT config ({e}); pass a BERT-family masked-LM checkpoint") from None
 
 
-def read_weights(model_dir: str) -> tuple:
-    """(tensors, path) from model.safetensors, or else pytorch_model.bin (loaded with weights_only=True)."""
+def weights_path(model_dir: str) -> str:
+    """model.safetensors, or else pytorch_model.bin; UserError when neither (or only shards) is there."""
     st, pt = os.path.join(model_dir, SAFETENSORS), os.path.join(model_dir, TORCH_BIN)
     if os.path.isfile(st):
-        from safetensors import SafetensorError
-        from safetensors.torch import load_file
-        try:
-            return load_file(st), st
-        except (SafetensorError, OSError, ValueError) as e:
-            raise UserError(f"{st} cannot be read as safetensors ({e}); download or save it again") from None
+        return st
     if os.path.isfile(pt):
-        try:
-            # weights_only=True: a pickle could run code; tensors and dicts cannot.
-            sd = torch.load(pt, map_location="cpu", weights_only=True)
-        except Exception as e:
-            raise UserError(f"{pt} cannot be read ({type(e).__name__}: {e}); download it again or convert it to safetensors") from None
-        if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-            raise UserError(f"{pt} holds a {type(sd).__name__}, not a state dict of tensors; it is not a model checkpoint")
-        return sd, pt
+        return pt
     if os.path.isfile(st + ".index.json"):
         raise UserError(f"{model_dir} holds a sharded checkpoint ({SAFETENSORS}.index.json), which this loader does not "
                         f"read; BERT-sized models fit one file: save the model again as a single {SAFETENSORS}")
     raise UserError(f"{model_dir} has neither {SAFETENSORS} nor {TORCH_BIN}; pass a directory with the model's weights")
 
 
+def _load_torch_bin(path: str, mmap=False) -> dict:
+    try:
+        # weights_only=True: a pickle could run code; tensors and dicts cannot.
+        sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except Exception as e:
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: {e}); download it again or convert it to safetensors") from None
+    if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
+        raise UserError(f"{path} holds a {type(sd).__name__}, not a state dict of tensors; it is not a model checkpoint")
+    return sd
+
+
+def read_weights(model_dir: str) -> tuple:
+    """(tensors, path) from model.safetensors, or else pytorch_model.bin (loaded with weights_only=True)."""
+    path = weights_path(model_dir)
+    if path.endswith(".bin"):
+        return _load_torch_bin(path), path
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+    try:
+        return load_file(path), path
+    except (SafetensorError, OSError, ValueError) as e:
+        raise UserError(f"{path} cannot be read as safetensors ({e}); download or save it again") from None
+
+
+def read_weight_shapes(model_dir: str) -> tuple:
+    """({tensor name: shape}, path) without reading the tensors: the safetensors header, checked to be
+    whole (every tensor's bytes inside the file, so a cut-off download shows), or a zip-format
+    pytorch_model.bin memory-mapped (older pickles are read whole)."""
+    path = weights_path(model_dir)
+    if path.endswith(".bin"):
+        sd = _load_torch_bin(path, mmap=zipfile.is_zipfile(path))
+        return {k: tuple(v.shape) for k, v in sd.items()}, path
+    size = os.path.getsize(path)
+    try:
+        with open(path, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        shapes = {k: tuple(e["shape"]) for k, e in header.items()}
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
+        raise UserError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e}); download or save it again") from None
+    if 8 + n + end > size:
+        raise UserError(f"{path} is truncated ({size:,} bytes; its tensors end at byte {8 + n + end:,}); download or "
+                        f"save it again")
+    return shapes, path
+
+
 def resolve(name_or_dir: str, cache_dir: str = None, log=print) -> str:
-    """A local directory as it is; a hub id downloaded (config, vocab, tokenizer settings, weights)."""
+    """A local directory as it is; a hub id downloaded (config, tokenizer files, weights)."""
     if os.path.isdir(name_or_dir):
         return name_or_dir
     if not hub.is_hub_id(name_or_dir) or os.path.exists(name_or_dir):
@@ -433,16 +474,52 @@ def resolve(name_or_dir: str, cache_dir: str = None, log=print) -> str:
     if cache_dir is None:
         from lib.data import default_cache_dir
         cache_dir = default_cache_dir()
-    local = hub.download(name_or_dir, [CONFIG, "vocab.txt"], cache_dir, log=log)
+    local = hub.download(name_or_dir, [CONFIG], cache_dir, log=log)
+    # Many current repositories ship tokenizer.json and no vocab.txt; older ones the other way round.
+    hub.download_first(name_or_dir, list(TOKENIZER_FILES), cache_dir, log=log)
     for name in ("tokenizer_config.json", "special_tokens_map.json"):
         hub.download_optional(name_or_dir, name, cache_dir, log=log)
     hub.download_first(name_or_dir, [SAFETENSORS, TORCH_BIN], cache_dir, log=log)
     return local
 
 
+def check_model_dir(name_or_dir: str, cache_dir: str = None, log=print, allow_missing_head=False) -> str:
+    """Check a BERT / DistilBERT masked-LM directory (a hub id is downloaded first) before any work is
+    done, and return the local directory. Checked: config.json readable and a supported model_type;
+    the weights present and whole (the safetensors header and file size, or pytorch_model.bin), every
+    tensor there with the shape config.json implies; a tokenizer (tokenizer.json or vocab.txt) that
+    loads and fits the model's vocabulary. Every problem found is reported, one line each, naming the
+    file and what to do, in one UserError."""
+    model_dir = resolve(name_or_dir, cache_dir, log)
+    problems = []
+
+    def attempt(check):
+        try:
+            return check()
+        except UserError as e:
+            problems.append(str(e))
+
+    cfg = attempt(lambda: read_config(model_dir))
+    found = attempt(lambda: read_weight_shapes(model_dir))
+    if cfg is not None and found is not None:
+        shapes, path = found
+        with torch.device("meta"):  # shapes only: nothing is allocated
+            meta = {k: torch.empty(shape) for k, shape in shapes.items()}
+            attempt(lambda: from_hf_state_dict(meta, cfg, path, allow_missing_head=allow_missing_head, log=lambda *a: None,
+                                               model=build_model(cfg)))
+    tok = attempt(lambda: wordpiece.load_tokenizer(model_dir, log=log))
+    if tok is not None and cfg is not None and tok.vocab_size > cfg.vocab_size:
+        problems.append(f"{tok.where}: the tokenizer has {tok.vocab_size:,} ids but {os.path.join(model_dir, CONFIG)} "
+                        f"says vocab_size {cfg.vocab_size:,}; the tokenizer does not belong to this model (use the "
+                        f"tokenizer files that came with it)")
+    if problems:
+        raise UserError("\nerror: ".join(problems))  # main() prints "error: " before the first line
+    return model_dir
+
+
 def load_pretrained(name_or_dir: str, cache_dir: str = None, dtype=torch.float32, log=print, allow_missing_head=False):
     """(model, cfg, model_dir) from a Hugging Face BERT / DistilBERT masked-LM directory or hub id.
-    The model is in eval mode; model_dir also holds the vocab.txt for lib.wordpiece.load_wordpiece."""
+    The model is in eval mode; model_dir also holds the tokenizer for lib.wordpiece.load_tokenizer."""
     model_dir = resolve(name_or_dir, cache_dir, log)
     cfg = read_config(model_dir)
     hf, path = read_weights(model_dir)

@@ -1,21 +1,36 @@
-"""BERT's WordPiece tokenizer, by hand, from vocab.txt and tokenizer_config.json; and a vocabulary learner.
+"""BERT's WordPiece tokenizer, by hand: read from tokenizer.json or vocab.txt, saved as both; and a vocabulary learner.
 
-Used by train_splade_unified.py and train_splade_optimized.py. The one idea: BERT tokenizes in two
-passes. A "basic" pass cleans the text and cuts it into words (drop control characters, put spaces
-around CJK ideographs, lowercase and strip accents, split off every punctuation mark); then each
-word is cut greedily into the longest pieces the vocabulary holds, left to right, pieces after the
-first spelled with a leading "##". A word that cannot be covered, or is longer than 100
-characters, becomes [UNK]. That is all of it: the output matches transformers' Python BertTokenizer
-(BertTokenizerLegacy in transformers 5) id for id, and its Rust tokenizer except where that one
-lowercases a word-final Σ to σ instead of ς (tests/test_wordpiece.py checks 381 strings x 5 settings
-against goldens written by transformers).
+Used by train_splade_unified.py and train_splade_optimized.py (and lib/bert.check_model_dir). The one
+idea: a tokenizer is a short pipeline, and tokenizer.json writes it down stage by stage:
+  1. added tokens ([CLS], [MASK], ...) written in the text are cut out first and kept whole;
+  2. the normalizer cleans the rest (BERT's: drop control characters, put spaces around CJK
+     ideographs, strip accents, lowercase);
+  3. the pre-tokenizer cuts it into words (BERT's: at spaces, and around every punctuation mark);
+  4. the model cuts each word greedily into the longest pieces of the vocabulary, left to right,
+     pieces after the first spelled with "##"; a word that cannot be covered, or is longer than
+     max_input_chars_per_word (100), becomes [UNK];
+  5. the post-processor wraps the ids: [CLS] ... [SEP].
+A vocab.txt directory is the same pipeline, with BERT's settings from tokenizer_config.json.
 
-learn_vocab() builds such a vocabulary from training text the way Hugging Face's WordPieceTrainer
-does: start from single characters ("##x" for characters inside a word) and repeatedly merge the
-most frequent adjacent pair, BPE-style, until the vocabulary has the requested size.
+Whose ids these are: the Hugging Face `tokenizers` library's, which transformers' BertTokenizer (and so
+AutoTokenizer and sentence-transformers) runs. Two rules from there that surprise people:
+- transformers' BertTokenizer takes only the vocabulary and the added tokens from tokenizer.json and
+  rebuilds stages 2-5 from tokenizer_config.json (do_lower_case, strip_accents, ...; defaults when
+  absent). load_tokenizer() does the same for BERT and DistilBERT directories, and says so in one line
+  when tokenizer.json disagrees. A directory whose tokenizer_class is PreTrainedTokenizerFast is read
+  as tokenizer.json says, stage by stage.
+- transformers' old Python tokenizer (BertTokenizerLegacy) differs in a few corners: it lowercases a
+  word-final "Σ" to "ς" (here and in tokenizers: "σ"), composes accents (NFC) first, deletes
+  unassigned code points, honours never_split and do_basic_tokenize, and uses 0x2B820 where
+  tokenizers starts a CJK block at 0x2B920.
+tests/test_wordpiece.py checks all of this against goldens written by both libraries on real files.
+
+learn_vocab() builds a vocabulary from training text the way Hugging Face's WordPieceTrainer does: start
+from single characters ("##x" inside a word) and repeatedly merge the most frequent adjacent pair.
 """
 
 import heapq
+import itertools
 import json
 import os
 import re
@@ -29,14 +44,21 @@ from lib.errors import UserError
 
 SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
 MAX_CHARS_PER_WORD = 100  # longer "words" (URLs, base64, minified code) become one [UNK]
+BERT_CLASSES = {"BertTokenizer", "BertTokenizerFast", "DistilBertTokenizer", "DistilBertTokenizerFast"}
+AS_FILE_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}  # transformers runs tokenizer.json as written
 
 
-# ---- the basic pass: character classes exactly as transformers' BasicTokenizer defines them ----
+# ---- character classes, as the tokenizers library (Rust) defines them ----
+
+# Unicode's White_Space, what Rust's char::is_whitespace tests. (Python's str.split() also cuts at \x1c-\x1f.)
+WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+
 
 def _is_cjk(cp: int) -> bool:
-    # The CJK Unified Ideographs blocks (not Hangul, Hiragana or Katakana, which are written with spaces).
+    """The CJK Unified Ideographs blocks (not Hangul, Hiragana or Katakana, which are written with
+    spaces). 0x2B920, not 0x2B820: the tokenizers library's table, which transformers follows."""
     return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2B73F
-            or 0x2B740 <= cp <= 0x2B81F or 0x2B820 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+            or 0x2B740 <= cp <= 0x2B81F or 0x2B920 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
 
 
 def _is_punctuation(ch: str) -> bool:
@@ -47,16 +69,20 @@ def _is_punctuation(ch: str) -> bool:
     return unicodedata.category(ch).startswith("P")
 
 
-def _clean_char(ch: str, space_cjk=True):
-    """What the cleaning pass turns one character into: deleted (None), a space, spaced out, or itself."""
+def _is_control(ch: str) -> bool:
+    """Control, format, private-use (Cc, Cf, Co): deleted by BERT's cleaning. Unassigned code points
+    (Cn) are kept, as tokenizers keeps them; tab, newline and CR are whitespace instead."""
+    return ch not in "\t\n\r" and unicodedata.category(ch) in ("Cc", "Cf", "Co", "Cs")
+
+
+def _is_word_char(ch: str) -> bool:
+    r"""The regex class \w of Rust's regex crate: letters, marks, decimal digits, connector punctuation,
+    letter numbers, the two joiners, and the circled/squared Latin letters Unicode calls alphabetic."""
+    cat = unicodedata.category(ch)
+    if cat[0] in "LM" or cat in ("Nd", "Nl", "Pc"):
+        return True
     cp = ord(ch)
-    if ch in " \t\n\r" or unicodedata.category(ch) == "Zs":
-        return " "
-    if cp == 0 or cp == 0xFFFD or unicodedata.category(ch).startswith("C"):
-        return None  # control and format characters (tab, newline and CR were whitespace above)
-    if space_cjk and _is_cjk(cp):
-        return f" {ch} "
-    return ch
+    return cp in (0x200C, 0x200D) or 0x24B6 <= cp <= 0x24E9 or 0x1F130 <= cp <= 0x1F149 or 0x1F150 <= cp <= 0x1F189
 
 
 class _CharTable(dict):
@@ -72,93 +98,342 @@ class _CharTable(dict):
         return out
 
 
-_CLEAN = _CharTable(_clean_char)
-_CLEAN_NO_CJK = _CharTable(lambda ch: _clean_char(ch, space_cjk=False))
-_SPLIT_PUNCT = _CharTable(lambda ch: f" {ch} " if _is_punctuation(ch) else ch)
+def _clean_char(ch: str, space_cjk: bool, clean: bool):
+    """BertNormalizer, one character: deleted (None), a space, spaced out (CJK), or itself."""
+    cp = ord(ch)
+    if clean:
+        if cp == 0 or cp == 0xFFFD or _is_control(ch):
+            return None
+        if ch in WHITESPACE:
+            return " "
+    if space_cjk and _is_cjk(cp):
+        return f" {ch} "
+    return ch
 
 
-def remove_accents(word: str) -> str:
-    """NFD splits "é" into "e" + a combining accent (category Mn), which is then dropped."""
-    return "".join(ch for ch in unicodedata.normalize("NFD", word) if unicodedata.category(ch) != "Mn")
+_BERT_TABLES = {(cjk, clean): _CharTable(lambda ch, a=cjk, b=clean: _clean_char(ch, a, b))
+                for cjk in (True, False) for clean in (True, False)}
+_DROP_MN = _CharTable(lambda ch: None if unicodedata.category(ch) == "Mn" else ch)  # BertNormalizer's accents
+_DROP_MARKS = _CharTable(lambda ch: None if unicodedata.category(ch)[0] == "M" else ch)  # the StripAccents normalizer
+# BertPreTokenizer in one pass: every space becomes " ", every punctuation mark " p ", then split at " ".
+_BERT_WORDS = _CharTable(lambda ch: " " if ch in WHITESPACE else f" {ch} " if _is_punctuation(ch) else ch)
+
+
+def _lowercase(text: str) -> str:
+    # Rust lowercases one character at a time; Python's lower() alone would give "ς" for a word-final "Σ".
+    return text.replace("Σ", "σ").lower()
+
+
+# ---- stage 2: normalizers, as tokenizer.json describes them ----
+
+def _bert_normalizer(spec: dict):
+    clean, cjk = spec.get("clean_text", True), spec.get("handle_chinese_chars", True)
+    lower = spec.get("lowercase", True)
+    strip = lower if spec.get("strip_accents") is None else spec["strip_accents"]  # null: do what lowercasing does
+    table = _BERT_TABLES[(cjk, clean)] if (cjk or clean) else None
+
+    def normalize(text):
+        if table is not None:
+            text = text.translate(table)
+        if strip and not text.isascii():
+            # NFD splits "é" into "e" + a combining accent (category Mn), which is then dropped.
+            text = unicodedata.normalize("NFD", text).translate(_DROP_MN)
+        return _lowercase(text) if lower else text
+    return normalize
+
+
+def compile_normalizer(spec, where: str):
+    """A tokenizer.json "normalizer" (a dict, or None) -> a function str -> str.
+    UserError naming the component for a type this loader does not read."""
+    if spec is None:
+        return lambda text: text
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "BertNormalizer":
+        return _bert_normalizer(spec)
+    if kind == "Sequence":
+        steps = [compile_normalizer(s, where) for s in spec.get("normalizers") or []]
+        return lambda text: _chain(steps, text)
+    if kind in ("NFC", "NFD", "NFKC", "NFKD"):
+        return lambda text: unicodedata.normalize(kind, text)
+    if kind == "Lowercase":
+        return _lowercase
+    if kind == "StripAccents":  # drops every combining mark (Mn, Mc, Me); an NFD before it does the splitting
+        return lambda text: text.translate(_DROP_MARKS)
+    if kind == "Strip":
+        left, right = spec.get("strip_left", True), spec.get("strip_right", True)
+
+        def strip(text):
+            text = text.lstrip(WHITESPACE) if left else text
+            return text.rstrip(WHITESPACE) if right else text
+        return strip
+    if kind == "Replace":
+        pattern, content = spec.get("pattern") or {}, spec.get("content", "")
+        if "String" in pattern:
+            return lambda text: text.replace(pattern["String"], content)
+        if "Regex" in pattern:
+            regex = re.compile(pattern["Regex"])
+            return lambda text: regex.sub(content.replace("\\", "\\\\"), text)
+    if kind == "Prepend":
+        return lambda text: spec["prepend"] + text if text else text
+    raise UserError(f"{where}: normalizer {kind or repr(spec)} is not supported (BertNormalizer, Sequence, NFC, NFD, NFKC, "
+                    f"NFKD, Lowercase, StripAccents, Strip, Replace, Prepend are); this is not a BERT-family tokenizer")
+
+
+def _chain(steps, text):
+    for step in steps:
+        text = step(text)
+    return text
+
+
+# ---- stage 3: pre-tokenizers ----
+
+def _split(text: str, is_delimiter, behavior: str) -> list:
+    """Cut text at every character is_delimiter accepts, as tokenizers' NormalizedString.split does:
+    Removed drops the delimiters, Isolated keeps each as a word, Contiguous keeps each run of them as
+    one word, MergedWithPrevious / MergedWithNext glue each to the word before / after."""
+    parts, start = [], 0  # (text, is it a delimiter)
+    for i, ch in enumerate(text):
+        if is_delimiter(ch):
+            if start < i:
+                parts.append((text[start:i], False))
+            parts.append((ch, True))
+            start = i + 1
+    if start < len(text):
+        parts.append((text[start:], False))
+    if behavior == "Removed":
+        return [p for p, delim in parts if not delim]
+    if behavior == "Isolated":
+        return [p for p, _ in parts]
+    order = reversed(parts) if behavior == "MergedWithNext" else parts
+    out, previous = [], False
+    for piece, delim in order:
+        if behavior == "Contiguous":
+            merge = delim == previous
+        else:
+            merge = delim and not previous
+        if merge and out:
+            out[-1] = piece + out[-1] if behavior == "MergedWithNext" else out[-1] + piece
+        else:
+            out.append(piece)
+        previous = delim
+    return out[::-1] if behavior == "MergedWithNext" else out
+
+
+def _whitespace_words(text: str) -> list:
+    r"""The Whitespace pre-tokenizer, the regex \w+|[^\w\s]+: runs of word characters, runs of other
+    non-space characters; spaces dropped."""
+    kind = lambda ch: 0 if ch in WHITESPACE else 1 if _is_word_char(ch) else 2  # noqa: E731
+    return ["".join(run) for k, run in itertools.groupby(text, kind) if k]
+
+
+BEHAVIORS = ("Removed", "Isolated", "Contiguous", "MergedWithPrevious", "MergedWithNext")
+
+
+def compile_pre_tokenizer(spec, where: str):
+    """A tokenizer.json "pre_tokenizer" (a dict, or None) -> a function str -> list of words."""
+    if spec is None:
+        return lambda text: [text] if text else []
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    if kind == "BertPreTokenizer":
+        return lambda text: [w for w in text.translate(_BERT_WORDS).split(" ") if w]
+    if kind == "WhitespaceSplit":
+        return lambda text: [w for w in re.split(f"[{WHITESPACE}]+", text) if w]
+    if kind == "Whitespace":
+        return _whitespace_words
+    if kind == "Punctuation" and spec.get("behavior", "Isolated") in BEHAVIORS:
+        behavior = spec.get("behavior", "Isolated")
+        return lambda text: _split(text, _is_punctuation, behavior)
+    if kind == "Digits":
+        behavior = "Isolated" if spec.get("individual_digits") else "Contiguous"
+        return lambda text: _split(text, lambda ch: unicodedata.category(ch) in ("Nd", "Nl", "No"), behavior)
+    if kind == "CharDelimiterSplit" and len(spec.get("delimiter") or "") == 1:
+        return lambda text: _split(text, lambda ch: ch == spec["delimiter"], "Removed")
+    if kind == "Sequence":
+        steps = [compile_pre_tokenizer(s, where) for s in spec.get("pretokenizers") or []]
+
+        def run(text):
+            words = [text] if text else []
+            for step in steps:
+                words = [w for word in words for w in step(word)]
+            return words
+        return run
+    raise UserError(f"{where}: pre_tokenizer {kind or repr(spec)} is not supported (BertPreTokenizer, Whitespace, "
+                    f"WhitespaceSplit, Punctuation, Digits, CharDelimiterSplit, Sequence are); this is not a "
+                    f"BERT-family WordPiece tokenizer")
+
+
+# ---- stage 5: post-processors ----
+
+def template_ids(spec, where: str) -> tuple:
+    """A tokenizer.json "post_processor" -> (ids before the text, ids after it) for one sequence."""
+    if spec is None:
+        return [], []
+    kind = spec.get("type") if isinstance(spec, dict) else None
+    try:
+        if kind in ("BertProcessing", "RobertaProcessing"):
+            return [int(spec["cls"][1])], [int(spec["sep"][1])]
+        if kind == "ByteLevel":
+            return [], []
+        if kind == "Sequence":
+            before, after = [], []
+            for step in spec.get("processors") or []:
+                b, a = template_ids(step, where)
+                before, after = b + before, after + a  # each processor wraps what the one before made
+            return before, after
+        if kind == "TemplateProcessing":
+            items = spec["single"]
+            seq = [i for i, item in enumerate(items) if "Sequence" in item]
+            if len(seq) == 1:
+                ids = [[int(x) for x in spec["special_tokens"][item["SpecialToken"]["id"]]["ids"]] if "SpecialToken" in item
+                       else None for item in items]
+                return sum(ids[:seq[0]], []), sum(ids[seq[0] + 1:], [])
+    except (KeyError, IndexError, TypeError, ValueError) as e:
+        raise UserError(f"{where}: post_processor {kind} is malformed ({type(e).__name__}: {e}); restore tokenizer.json "
+                        f"from the model's repository") from None
+    raise UserError(f"{where}: post_processor {kind or repr(spec)} is not supported (TemplateProcessing with one sequence, "
+                    f"BertProcessing, RobertaProcessing, Sequence are)")
+
+
+def bert_template(cls_token: str, cls_id: int, sep_token: str, sep_id: int) -> dict:
+    """[CLS] $A [SEP] as transformers writes it into tokenizer.json."""
+    special = lambda tok, type_id=0: {"SpecialToken": {"id": tok, "type_id": type_id}}  # noqa: E731
+    return {"type": "TemplateProcessing",
+            "single": [special(cls_token), {"Sequence": {"id": "A", "type_id": 0}}, special(sep_token)],
+            "pair": [special(cls_token), {"Sequence": {"id": "A", "type_id": 0}}, special(sep_token),
+                     {"Sequence": {"id": "B", "type_id": 1}}, special(sep_token, 1)],
+            "special_tokens": {cls_token: {"id": cls_token, "ids": [cls_id], "tokens": [cls_token]},
+                               sep_token: {"id": sep_token, "ids": [sep_id], "tokens": [sep_token]}}}
+
+
+def bert_normalizer(do_lower_case=True, strip_accents=None, tokenize_chinese_chars=True) -> dict:
+    return {"type": "BertNormalizer", "clean_text": True, "handle_chinese_chars": bool(tokenize_chinese_chars),
+            "strip_accents": strip_accents, "lowercase": bool(do_lower_case)}
 
 
 # ---- the tokenizer ----
 
 class WordPiece:
-    """vocab: token -> id (vocab.txt line number). Build with load_wordpiece() or learn_vocab()."""
+    """Build with load_tokenizer() or learn_vocab().
+
+    tokens: the vocabulary in id order (vocab.txt's lines; None for an id no token has). The
+    pipeline defaults to BERT's, from do_lower_case / strip_accents / tokenize_chinese_chars; pass
+    normalizer / pre_tokenizer / post_processor (tokenizer.json's dicts) to read any other.
+    added_tokens: strings (special, matched as written) or tokenizer.json's added-token dicts."""
+
+    BERT = "bert"  # the default of normalizer / pre_tokenizer / post_processor: BERT's own
 
     def __init__(self, tokens: list, do_lower_case=True, strip_accents=None, tokenize_chinese_chars=True,
-                 specials: dict = None, added_tokens=(), never_split=(), model_max_length=512,
-                 clean_up_tokenization_spaces=True, do_basic_tokenize=True, where="vocab.txt"):
+                 specials: dict = None, added_tokens=(), model_max_length=512, clean_up_tokenization_spaces=True,
+                 normalizer=BERT, pre_tokenizer=BERT, post_processor=BERT, prefix="##",
+                 max_input_chars_per_word=MAX_CHARS_PER_WORD, where="vocab.txt"):
+        self.where = where
         self.ids_to_tokens = list(tokens)
-        self.vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens)}  # a repeated line keeps its last id, as in transformers
-        self.vocab_size = len(self.ids_to_tokens)
-        self.do_lower_case = bool(do_lower_case)
-        # transformers: strip_accents=None means "do whatever lowercasing does".
-        self.strip_accents = self.do_lower_case if strip_accents is None else bool(strip_accents)
-        self._strip_accents_setting = strip_accents
-        self.tokenize_chinese_chars = bool(tokenize_chinese_chars)
-        self.do_basic_tokenize = bool(do_basic_tokenize)  # False: words are split on whitespace only, as they are
+        self.vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens) if tok is not None}  # a repeated line keeps its last id
+        self.specials = {**SPECIALS, **(specials or {})}
+        self.prefix, self.max_chars = prefix, int(max_input_chars_per_word)
         self.model_max_length = int(model_max_length)
         self.clean_up_tokenization_spaces = bool(clean_up_tokenization_spaces)
-        self.specials = {**SPECIALS, **(specials or {})}
-        for name in ("unk_token", "cls_token", "sep_token", "pad_token"):
-            if self.specials[name] not in self.vocab:
-                raise UserError(f"{where} has no {self.specials[name]!r} ({name}); use the vocab.txt that came with the model")
-        self.unk_id = self.vocab[self.specials["unk_token"]]
-        self.cls_id = self.vocab[self.specials["cls_token"]]
-        self.sep_id = self.vocab[self.specials["sep_token"]]
-        self.pad_id = self.vocab[self.specials["pad_token"]]
-        self.mask_id = self.vocab.get(self.specials["mask_token"])
-        # Special (and added) tokens written in the text, even inside a word ("a[MASK]b"), are cut out
-        # and kept whole before anything else, as transformers does; never_split words from the
-        # config are only protected when they stand alone between spaces.
-        self.added_tokens = {t for t in (*self.specials.values(), *added_tokens) if t in self.vocab}
-        self._never_split_setting = sorted(set(never_split))
-        self.never_split = set(never_split) | self.added_tokens
-        whole = sorted(self.added_tokens, key=lambda t: (-len(t), t))
-        self._special_re = re.compile("(" + "|".join(map(re.escape, whole)) + ")") if whole else None
+        self.unk_id = self._require("unk_token")
+        self.model_size = len(self.ids_to_tokens)  # the WordPiece model's own ids; added tokens may come after
+        # The special tokens are added tokens too (kept whole wherever they appear), unless listed with other flags.
+        self._add_tokens([*added_tokens, *(t for t in self.specials.values() if t in self.vocab)])
+        self.pad_id = self._require("pad_token")
+        self.cls_id, self.sep_id, self.mask_id = (self.vocab.get(self.specials[n]) for n in ("cls_token", "sep_token", "mask_token"))
+
+        # The pipeline, kept as tokenizer.json's dicts (save() writes them back) and compiled to functions.
+        self.normalizer = bert_normalizer(do_lower_case, strip_accents, tokenize_chinese_chars) if normalizer == self.BERT else normalizer
+        self.pre_tokenizer = {"type": "BertPreTokenizer"} if pre_tokenizer == self.BERT else pre_tokenizer
+        if post_processor == self.BERT:
+            self._require("cls_token"), self._require("sep_token")
+            post_processor = bert_template(self.specials["cls_token"], self.cls_id, self.specials["sep_token"], self.sep_id)
+        self.post_processor = post_processor
+        self.normalize = compile_normalizer(self.normalizer, where)
+        self.pre_tokenize = compile_pre_tokenizer(self.pre_tokenizer, where)
+        self.before_ids, self.after_ids = template_ids(self.post_processor, where)
+        bad = [i for i in self.before_ids + self.after_ids if not 0 <= i < self.vocab_size]
+        if bad:
+            raise UserError(f"{where}: the post_processor adds id {bad[0]}, outside the vocabulary of {self.vocab_size}")
+        self._raw_matcher, self._normalized_matcher = self._added_matcher(False), self._added_matcher(True)
         self._cache = {}
 
-    # -- text -> tokens --
-    def _clean(self, text: str) -> str:
-        """Drop control characters, turn every space into " ", space out CJK ideographs."""
-        text = text.translate(_CLEAN if self.tokenize_chinese_chars else _CLEAN_NO_CJK)
-        # transformers' BasicTokenizer composes the text (NFC) before splitting it into words.
-        return text if text.isascii() else unicodedata.normalize("NFC", text)
+    def _require(self, name: str) -> int:
+        if self.specials[name] not in self.vocab:
+            raise UserError(f"{self.where} has no {self.specials[name]!r} ({name}); use the tokenizer files that came "
+                            f"with the model")
+        return self.vocab[self.specials[name]]
 
-    def _split_word(self, word: str) -> list:
-        """One space-separated chunk -> words: lowercase, strip accents, split off punctuation."""
-        if word in self.never_split:
-            return [word]
-        if self.do_lower_case:
-            word = word.lower()
-        if self.strip_accents and not word.isascii():
-            word = remove_accents(word)
-        return word.translate(_SPLIT_PUNCT).split()
+    def _add_tokens(self, added_tokens):
+        """Added tokens are found in the text before anything else and kept whole. normalized=False
+        ones (the specials) are matched in the raw text, the others in the normalized text;
+        lstrip/rstrip swallow the spaces beside them; single_word ones only match a whole word."""
+        self.added = {}  # content -> its tokenizer.json dict, with the id it has here
+        for t in added_tokens:
+            t = {"content": t, "special": True, "normalized": False} if isinstance(t, str) else dict(t)
+            content = t.get("content")
+            if not isinstance(content, str) or not content or content in self.added:
+                continue
+            t.setdefault("normalized", not t.get("special", False))
+            if content in self.vocab:
+                t["id"] = self.vocab[content]
+            elif not isinstance(t.get("id"), int) or t["id"] < len(self.ids_to_tokens) and self.ids_to_tokens[t["id"]] is not None:
+                t["id"] = len(self.ids_to_tokens)  # a new token: the next free id, as the tokenizers library gives it
+            while len(self.ids_to_tokens) <= t["id"]:
+                self.ids_to_tokens.append(None)
+            self.ids_to_tokens[t["id"]] = content
+            self.vocab[content] = t["id"]
+            self.added[content] = {k: t.get(k, False) for k in ("id", "content", "single_word", "lstrip", "rstrip", "normalized", "special")}
+        self.special_ids = {t["id"] for t in self.added.values() if t["special"]}
+
+    def _added_matcher(self, normalized: bool):
+        """(regex, text -> token) for the added tokens matched in the raw (or the normalized) text.
+        Alternatives longest first, so at each position the longest token wins (leftmost-longest)."""
+        by_text = {(self.normalize(c) if normalized else c): t for c, t in self.added.items() if t["normalized"] == normalized}
+        by_text.pop("", None)
+        if not by_text:
+            return None, {}
+        return re.compile("|".join(map(re.escape, sorted(by_text, key=lambda c: (-len(c), c))))), by_text
+
+    @property
+    def vocab_size(self) -> int:
+        return len(self.ids_to_tokens)
+
+    # -- text -> tokens --
+    def _split_added(self, text: str, normalized: bool) -> list:
+        """text -> a list of str (text between added tokens) and int (an added token's id)."""
+        regex, by_text = self._normalized_matcher if normalized else self._raw_matcher
+        if regex is None:
+            return [text]
+        out, done = [], 0
+        for m in regex.finditer(text):
+            start, stop, t = m.start(), m.end(), by_text[m.group()]
+            if t["single_word"] and ((start > 0 and _is_word_char(text[start - 1])) or
+                                     (stop < len(text) and _is_word_char(text[stop]))):
+                continue
+            if t["lstrip"]:
+                start = max(len(text[:start].rstrip(WHITESPACE)), done)
+            if t["rstrip"]:
+                stop = len(text) - len(text[stop:].lstrip(WHITESPACE))
+            if done < start:
+                out.append(text[done:start])
+            out.append(t["id"])
+            done = stop
+        if done < len(text):
+            out.append(text[done:])
+        return out
 
     def basic_tokenize(self, text: str) -> list:
-        """The first pass: clean, space out CJK, lowercase / strip accents, split punctuation."""
-        text = self._clean(text)
-        if self._never_split_setting:  # words the config protects: look at each chunk alone
-            return [w for chunk in text.split() for w in self._split_word(chunk)]
-        # transformers does these chunk by chunk; on the whole text at once they give the same words
-        # (spaces end a final-sigma context and a combining sequence), only faster.
-        if self.do_lower_case:
-            text = text.lower()
-        if self.strip_accents and not text.isascii():
-            text = remove_accents(text)
-        return text.translate(_SPLIT_PUNCT).split()
+        """Stages 2 and 3 (no added tokens): the words the model will cut into pieces."""
+        return self.pre_tokenize(self.normalize(text))
 
     def wordpiece(self, word: str) -> list:
-        """The second pass: greedy longest-match-first; [UNK] for the whole word if any part fails."""
-        if len(word) > MAX_CHARS_PER_WORD:
+        """Stage 4: greedy longest-match-first; [UNK] for the whole word if any part fails."""
+        if len(word) > self.max_chars:
             return [self.specials["unk_token"]]
         pieces, start = [], 0
         while start < len(word):
             end = len(word)
             while end > start:
-                piece = word[start:end] if start == 0 else "##" + word[start:end]
+                piece = word[start:end] if start == 0 else self.prefix + word[start:end]
                 if piece in self.vocab:
                     break
                 end -= 1
@@ -172,28 +447,31 @@ class WordPiece:
         """(pieces, ids) of one word, remembered: text repeats its words, so most cost one lookup."""
         hit = self._cache.get(word)
         if hit is None:
-            pieces = [word] if word in self.never_split else self.wordpiece(word)
+            pieces = self.wordpiece(word)
             hit = (pieces, [self.vocab.get(p, self.unk_id) for p in pieces])
             if len(self._cache) < 200_000:  # frequent words are met early; cap the memory
                 self._cache[word] = hit
         return hit
 
     def _pieces(self, text: str, which: int, limit: int = None) -> list:
-        """Pieces (which=0) or ids (which=1) of a text: special tokens cut out first, then both passes.
-        With a limit, words past it are not looked at (a long document cut to 256 tokens)."""
-        parts = self._special_re.split(text) if self._special_re else [text]
+        """Pieces (which=0) or ids (which=1) of a text, stages 1-4. With a limit, words past it are
+        not looked at (a long document cut to 256 tokens)."""
         out, cache = [], self._cache
-        for i, part in enumerate(parts):
+        for part in self._split_added(text, normalized=False):
             if limit is not None and len(out) >= limit:
                 break
-            if i % 2:  # a special token found in the text
-                out.append(part if which == 0 else self.vocab[part])
+            if isinstance(part, int):
+                out.append(self.ids_to_tokens[part] if which == 0 else part)
                 continue
-            words = self.basic_tokenize(part) if self.do_basic_tokenize else part.split()
-            if limit is not None:
-                words = words[: limit - len(out)]  # every word gives at least one piece
-            for word in words:
-                out += (cache.get(word) or self._word(word))[which]  # the lookup inlined: this loop is the hot path
+            for piece in self._split_added(self.normalize(part), normalized=True):
+                if isinstance(piece, int):
+                    out.append(self.ids_to_tokens[piece] if which == 0 else piece)
+                    continue
+                words = self.pre_tokenize(piece)
+                if limit is not None:
+                    words = words[: limit - len(out)]  # every word gives at least one piece
+                for word in words:
+                    out += (cache.get(word) or self._word(word))[which]  # the lookup inlined: the hot path
         return out if limit is None else out[:limit]
 
     def tokenize(self, text: str) -> list:
@@ -203,12 +481,13 @@ class WordPiece:
         return [self.vocab.get(t, self.unk_id) for t in tokens]
 
     def encode(self, text: str, add_special_tokens=True, max_length=None) -> list:
-        """Token ids; [CLS] ... [SEP] around them, cut so the whole fits max_length (the [SEP] stays)."""
-        if max_length is not None and add_special_tokens and max_length < 2:
-            raise ValueError(f"max_length {max_length} leaves no room for [CLS] and [SEP]")
-        limit = None if max_length is None else max_length - 2 * add_special_tokens
-        ids = self._pieces(text, 1, limit)
-        return [self.cls_id, *ids, self.sep_id] if add_special_tokens else ids
+        """Token ids, wrapped by the post-processor ([CLS] ... [SEP]) and cut so the whole fits
+        max_length (the closing [SEP] stays)."""
+        extra = len(self.before_ids) + len(self.after_ids) if add_special_tokens else 0
+        if max_length is not None and max_length < extra:
+            raise ValueError(f"max_length {max_length} leaves no room for the {extra} special tokens")
+        ids = self._pieces(text, 1, None if max_length is None else max_length - extra)
+        return [*self.before_ids, *ids, *self.after_ids] if add_special_tokens else ids
 
     def batch(self, texts, max_length: int, pad_to: int = None):
         """(input_ids, attention_mask), both LongTensor [B, T]: each text encoded and cut to max_length,
@@ -226,55 +505,82 @@ class WordPiece:
 
     # -- ids -> text --
     def decode(self, ids, skip_special_tokens=False) -> str:
-        """The pieces joined, "##" pieces glued to the piece before, as BertTokenizer.decode does."""
+        """tokenizers' WordPiece decoder, then transformers' clean-up: a "##" piece joins the piece
+        before it, every other piece gets a space; " ," -> "," and the like."""
         if isinstance(ids, torch.Tensor):
             ids = ids.tolist()
-        special = {self.vocab[t] for t in self.added_tokens}
-        words, run = [], []
-        for i in ids:
-            tok = self.ids_to_tokens[i] if 0 <= i < self.vocab_size else self.specials["unk_token"]
-            if i in special:
-                if skip_special_tokens:
-                    continue
-                if run:
-                    words.append(" ".join(run).replace(" ##", "").strip())
-                    run = []
-                words.append(tok)
-            else:
-                run.append(tok)
-        if run:
-            words.append(" ".join(run).replace(" ##", "").strip())
-        text = " ".join(words)
+        tokens = [self.ids_to_tokens[i] if 0 <= i < self.vocab_size and self.ids_to_tokens[i] is not None
+                  else self.specials["unk_token"] for i in ids if not (skip_special_tokens and i in self.special_ids)]
+        out = []
+        for i, tok in enumerate(tokens):
+            if i:
+                tok = tok[len(self.prefix):] if tok.startswith(self.prefix) else " " + tok
+            for a, b in _DECODER_CLEANUP:
+                tok = tok.replace(a, b)
+            out.append(tok)
+        text = "".join(out)
         if self.clean_up_tokenization_spaces:
-            for a, b in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"),
-                         (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re")):
-                text = text.replace(a, b)
+            for a, b in _DECODER_CLEANUP:
+                if a != " do not":
+                    text = text.replace(a, b)
         return text
 
     # -- files --
+    def is_bert_standard(self) -> bool:
+        """True when transformers' BertTokenizer, built from tokenizer_config.json alone, gives these
+        ids: BERT's normalizer (cleaning on), BERT's pre-tokenizer, [CLS] $A [SEP], "##", 100."""
+        n = self.normalizer or {}
+        return (n.get("type") == "BertNormalizer" and n.get("clean_text", True) is True
+                and (self.pre_tokenizer or {}).get("type") == "BertPreTokenizer"
+                and (self.before_ids, self.after_ids) == ([self.cls_id], [self.sep_id]) and None not in (self.cls_id, self.sep_id)
+                and self.prefix == "##" and self.max_chars == MAX_CHARS_PER_WORD)
+
+    def to_tokenizer_json(self) -> dict:
+        """The pipeline as tokenizer.json, loadable by the tokenizers library and transformers."""
+        model_vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens[: self.model_size]) if tok is not None}
+        return {"version": "1.0", "truncation": None, "padding": None,
+                "added_tokens": sorted(({k: t[k] for k in ("id", "content", "single_word", "lstrip", "rstrip", "normalized", "special")}
+                                        for t in self.added.values()), key=lambda t: t["id"]),
+                "normalizer": self.normalizer, "pre_tokenizer": self.pre_tokenizer, "post_processor": self.post_processor,
+                "decoder": {"type": "WordPiece", "prefix": self.prefix, "cleanup": True},
+                "model": {"type": "WordPiece", "unk_token": self.specials["unk_token"], "continuing_subword_prefix": self.prefix,
+                          "max_input_chars_per_word": self.max_chars, "vocab": dict(sorted(model_vocab.items(), key=lambda kv: kv[1]))}}
+
     def save(self, out_dir: str):
-        """vocab.txt (one token per line, line number = id), tokenizer_config.json and
-        special_tokens_map.json, in the layout transformers' BertTokenizer reads."""
-        text = "".join(tok + "\n" for tok in self.ids_to_tokens)
-
-        def write(tmp):
-            with open(tmp, "w", encoding="utf-8") as f:
-                f.write(text)
-
-        atomic_write(os.path.join(out_dir, "vocab.txt"), write)
-        specials = dict(self.specials)
-        extra = sorted(self.added_tokens - set(self.specials.values()))
+        """tokenizer.json (the whole pipeline), vocab.txt (for tools that read only that),
+        tokenizer_config.json and special_tokens_map.json: transformers' AutoTokenizer,
+        sentence-transformers and load_tokenizer() all read them back to the same ids."""
+        atomic_write(os.path.join(out_dir, "tokenizer.json"), lambda tmp: _write_text(tmp, json.dumps(
+            self.to_tokenizer_json(), ensure_ascii=False, indent=2)))
+        model_tokens = self.ids_to_tokens[: self.model_size]
+        if None not in model_tokens and not any("\n" in t or "\r" in t for t in model_tokens):
+            atomic_write(os.path.join(out_dir, "vocab.txt"), lambda tmp: _write_text(tmp, "".join(t + "\n" for t in model_tokens)))
+        specials = {k: v for k, v in self.specials.items() if v in self.vocab}
+        extra = sorted((c for c, t in self.added.items() if t["special"] and c not in specials.values()), key=self.vocab.get)
         if extra:
             specials["additional_special_tokens"] = extra
-        config = {"tokenizer_class": "BertTokenizer", "do_lower_case": self.do_lower_case, "do_basic_tokenize": self.do_basic_tokenize,
-                  "strip_accents": self._strip_accents_setting, "tokenize_chinese_chars": self.tokenize_chinese_chars,
-                  "model_max_length": self.model_max_length,
-                  "clean_up_tokenization_spaces": self.clean_up_tokenization_spaces, **specials}
-        if self._never_split_setting:
-            config["never_split"] = self._never_split_setting
+        config = {"tokenizer_class": "BertTokenizer" if self.is_bert_standard() else "PreTrainedTokenizerFast"}
+        if self.is_bert_standard():
+            n = self.normalizer
+            config.update(do_lower_case=n.get("lowercase", True), strip_accents=n.get("strip_accents"),
+                          tokenize_chinese_chars=n.get("handle_chinese_chars", True))
+        config.update(model_max_length=self.model_max_length, clean_up_tokenization_spaces=self.clean_up_tokenization_spaces,
+                      **specials, added_tokens_decoder={str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+                                                        for t in sorted(self.added.values(), key=lambda t: t["id"])})
         save_json(os.path.join(out_dir, "tokenizer_config.json"), config)
         save_json(os.path.join(out_dir, "special_tokens_map.json"), specials)
 
+
+_DECODER_CLEANUP = ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"), (" n't", "n't"), (" 'm", "'m"),
+                    (" do not", " don't"), (" 's", "'s"), (" 've", "'ve"), (" 're", "'re"))
+
+
+def _write_text(path, text):
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+# ---- reading a model directory ----
 
 def _token_text(value):
     """A special token in tokenizer_config.json is a string or an AddedToken dict {"content": ...}."""
@@ -296,49 +602,176 @@ def _read_json(path: str) -> dict:
     return obj
 
 
-def load_wordpiece(model_dir: str) -> WordPiece:
-    """A WordPiece from model_dir/vocab.txt, with the settings of tokenizer_config.json (and
-    special_tokens_map.json) when present; transformers' defaults (lowercase, [UNK], ...) otherwise."""
-    vocab_path = os.path.join(model_dir, "vocab.txt")
-    if not os.path.isfile(vocab_path):
-        raise UserError(f"{vocab_path} is missing; a BERT tokenizer needs the vocab.txt that came with the model "
-                        f"(pass a directory or hub id that has one)")
+def _read_vocab_txt(path: str) -> list:
     try:
-        with open(vocab_path, encoding="utf-8") as f:
+        with open(path, encoding="utf-8") as f:
             tokens = [line[:-1] if line.endswith("\n") else line for line in f]
     except UnicodeDecodeError as e:
-        raise UserError(f"{vocab_path} is not UTF-8 text ({e}); it is not a WordPiece vocabulary") from None
+        raise UserError(f"{path} is not UTF-8 text ({e}); it is not a WordPiece vocabulary") from None
     tokens = [t[:-1] if t.endswith("\r") else t for t in tokens]  # written on Windows
     if not tokens:
-        raise UserError(f"{vocab_path} is empty; use the vocab.txt that came with the model")
+        raise UserError(f"{path} is empty; use the vocab.txt that came with the model")
+    return tokens
+
+
+def _read_tokenizer_json(path: str) -> tuple:
+    """(the parsed file, its WordPiece vocabulary as a list in id order)."""
+    tj = _read_json(path)
+    model = tj.get("model")
+    if not isinstance(model, dict):
+        raise UserError(f"{path} has no \"model\" section; it is not a tokenizers tokenizer.json (restore it from the "
+                        f"model's repository)")
+    # Files written by old tokenizers versions leave out the model's "type"; WordPiece is the one with a prefix and no merges.
+    kind = model.get("type") or ("WordPiece" if "continuing_subword_prefix" in model and "merges" not in model else None)
+    if kind != "WordPiece":
+        raise UserError(f"{path}: model type {kind or 'unknown'} is not WordPiece; this loader reads BERT-family "
+                        f"(WordPiece) tokenizers, as SPLADE's BERT and DistilBERT models use")
+    vocab = model.get("vocab")
+    if not isinstance(vocab, dict) or not vocab or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
+        raise UserError(f"{path}: model.vocab is not a map of tokens to ids; restore tokenizer.json from the model's repository")
+    tokens = [None] * (max(vocab.values()) + 1)
+    for tok, i in vocab.items():
+        tokens[i] = tok
+    return tj, tokens
+
+
+def _file_tokens(tj: dict) -> list:
+    """tokenizer.json's added_tokens, as dicts."""
+    return [t for t in tj.get("added_tokens") or [] if isinstance(t, dict)]
+
+
+def _config_tokens(config: dict, smap: dict) -> tuple:
+    """(special token names -> text, added tokens) from tokenizer_config.json / special_tokens_map.json."""
+    specials, added = {}, []
+    for name in SPECIALS:
+        for source in (config, smap):
+            value = source.get(name)
+            if _token_text(value):
+                specials[name] = _token_text(value)
+                added.append({**value, "special": True} if isinstance(value, dict) else value)
+                break
+    decoder = config.get("added_tokens_decoder") or {}
+    added = [{**t, "id": int(i)} for i, t in decoder.items() if isinstance(t, dict) and str(i).isdigit()] + added
+    for source in (config, smap):
+        for t in source.get("additional_special_tokens") or source.get("extra_special_tokens") or []:
+            if _token_text(t):
+                added.append({**t, "special": True} if isinstance(t, dict) else t)
+    return specials, added
+
+
+def _model_max_length(config: dict) -> int:
+    n = config.get("model_max_length", 512)
+    return int(n) if isinstance(n, (int, float)) and 0 < n <= 1e9 else 512  # transformers writes 1e30 for "no limit"
+
+
+def _reads_file_as_is(config: dict, model_dir: str, log) -> bool:
+    """Does transformers' AutoTokenizer run this tokenizer.json as written (PreTrainedTokenizerFast), or
+    rebuild it as a BertTokenizer from tokenizer_config.json? The class named there decides; without
+    one, config.json's model_type does (bert and distilbert mean BertTokenizer)."""
+    name = config.get("tokenizer_class")
+    if name in BERT_CLASSES:
+        return False
+    if name in AS_FILE_CLASSES:
+        return True
+    if name is None:
+        model_type = _read_json(os.path.join(model_dir, "config.json")).get("model_type")
+        return model_type not in ("bert", "distilbert")
+    log(f"note: {model_dir}/tokenizer_config.json names tokenizer_class {name!r}; reading tokenizer.json as written, "
+        f"as the tokenizers library does")
+    return True
+
+
+def load_tokenizer(model_dir: str, log=print) -> WordPiece:
+    """The tokenizer of a Hugging Face BERT / DistilBERT directory, as transformers' AutoTokenizer builds it:
+    from tokenizer.json when there is one (its vocabulary, added tokens and, for PreTrainedTokenizerFast
+    files, its whole pipeline), else from vocab.txt; BERT's settings from tokenizer_config.json.
+    log: where the one-line notes go (a setting transformers ignores, a tokenizer.json it overrides)."""
+    tj_path, vocab_path = os.path.join(model_dir, "tokenizer.json"), os.path.join(model_dir, "vocab.txt")
+    if not os.path.isfile(tj_path) and not os.path.isfile(vocab_path):
+        raise UserError(f"{model_dir} has neither tokenizer.json nor vocab.txt; a BERT tokenizer needs one of them "
+                        f"(pass the model's directory as downloaded, or a hub id)")
     config = _read_json(os.path.join(model_dir, "tokenizer_config.json"))
     smap = _read_json(os.path.join(model_dir, "special_tokens_map.json"))
-    specials = {}
-    for name in SPECIALS:
-        value = _token_text(config.get(name)) or _token_text(smap.get(name))
-        if value:
-            specials[name] = value
-    added = []
-    for source in (config, smap):
-        added += [_token_text(t) for t in source.get("additional_special_tokens") or [] if _token_text(t)]
-    added += [t["content"] for t in (config.get("added_tokens_decoder") or {}).values()
-              if isinstance(t, dict) and isinstance(t.get("content"), str)]
-    max_len = config.get("model_max_length", 512)
-    if not isinstance(max_len, (int, float)) or max_len > 1e9:  # transformers writes 1e30 for "no limit"
-        max_len = 512
-    return WordPiece(
-        tokens,
-        do_lower_case=config.get("do_lower_case", True),
-        strip_accents=config.get("strip_accents"),
-        tokenize_chinese_chars=config.get("tokenize_chinese_chars", True),
-        specials=specials,
-        added_tokens=added,
-        never_split=list(config.get("never_split") or []),
-        model_max_length=int(max_len),
-        clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces", True),
-        do_basic_tokenize=config.get("do_basic_tokenize", True),
-        where=vocab_path,
-    )
+    specials, config_added = _config_tokens(config, smap)
+    common = dict(model_max_length=_model_max_length(config),
+                  clean_up_tokenization_spaces=config.get("clean_up_tokenization_spaces", True))
+
+    if os.path.isfile(tj_path):
+        tj, tokens = _read_tokenizer_json(tj_path)
+        model = tj["model"]
+        if _reads_file_as_is(config, model_dir, log):
+            specials.setdefault("unk_token", model.get("unk_token", "[UNK]"))
+            pad = (tj.get("padding") or {}).get("pad_token")
+            if pad and "pad_token" not in specials:
+                specials["pad_token"] = pad
+            return WordPiece(tokens, specials=specials, added_tokens=config_added + _file_tokens(tj), **common,
+                             normalizer=tj.get("normalizer"), pre_tokenizer=tj.get("pre_tokenizer"),
+                             post_processor=tj.get("post_processor"), prefix=model.get("continuing_subword_prefix", "##"),
+                             max_input_chars_per_word=model.get("max_input_chars_per_word", MAX_CHARS_PER_WORD), where=tj_path)
+        added, where = config_added + _file_tokens(tj), tj_path
+    else:
+        tj, tokens, added, where = None, _read_vocab_txt(vocab_path), config_added, vocab_path
+
+    # transformers' BertTokenizer: the vocabulary from the file, everything else from tokenizer_config.json.
+    tok = WordPiece(tokens, do_lower_case=config.get("do_lower_case", True), strip_accents=config.get("strip_accents"),
+                    tokenize_chinese_chars=config.get("tokenize_chinese_chars", True), specials=specials,
+                    added_tokens=added, **common, where=where)
+    ignored = [f"{k}={config[k]!r}" for k in ("do_basic_tokenize", "never_split") if config.get(k) not in (None, True, [])]
+    if ignored:
+        log(f"note: {model_dir}/tokenizer_config.json sets {', '.join(ignored)}, which transformers' BertTokenizer (and "
+            f"so AutoTokenizer and this loader) ignores; only its Python BertTokenizerLegacy honours it")
+    if tj is not None:
+        differs = _differences(tj, tok)
+        if differs:
+            log(f"note: {tj_path} asks for {'; '.join(differs)}; transformers' BertTokenizer (AutoTokenizer, "
+                f"sentence-transformers) rebuilds these from tokenizer_config.json ({_describe(tok)}) and so does this "
+                f"loader; the tokenizers library alone would follow tokenizer.json")
+    return tok
+
+
+load_wordpiece = load_tokenizer  # the name train_splade_*.py knew first
+
+
+def _effective_bert_normalizer(spec):
+    if not isinstance(spec, dict) or spec.get("type") != "BertNormalizer":
+        return spec
+    lower = spec.get("lowercase", True)
+    strip = lower if spec.get("strip_accents") is None else spec["strip_accents"]
+    return (spec.get("clean_text", True), spec.get("handle_chinese_chars", True), bool(strip), bool(lower))
+
+
+def _differences(tj: dict, tok: WordPiece) -> list:
+    """Where tokenizer.json's own pipeline would give other ids than the BertTokenizer built from the config."""
+    out = []
+    if _effective_bert_normalizer(tj.get("normalizer")) != _effective_bert_normalizer(tok.normalizer):
+        out.append(f"normalizer {_short(tj.get('normalizer'))}")
+    if (tj.get("pre_tokenizer") or {}).get("type") != "BertPreTokenizer":
+        out.append(f"pre_tokenizer {_short(tj.get('pre_tokenizer'))}")
+    try:
+        same = template_ids(tj.get("post_processor"), "") == (tok.before_ids, tok.after_ids)
+    except UserError:
+        same = False
+    if not same:
+        out.append(f"post_processor {_short(tj.get('post_processor'))}")
+    model = tj["model"]
+    for key, ours in (("unk_token", tok.specials["unk_token"]), ("continuing_subword_prefix", "##"),
+                      ("max_input_chars_per_word", MAX_CHARS_PER_WORD)):
+        if model.get(key, ours) != ours:
+            out.append(f"model.{key} {model[key]!r}")
+    return out
+
+
+def _short(spec) -> str:
+    if not isinstance(spec, dict):
+        return "null"
+    return spec.get("type", "?") + ("(" + ", ".join(f"{k}={v}" for k, v in spec.items() if k != "type" and not isinstance(v, (dict, list))) + ")"
+                                    if spec.get("type") == "BertNormalizer" else "")
+
+
+def _describe(tok: WordPiece) -> str:
+    n = tok.normalizer
+    return (f"lowercase={n['lowercase']}, strip_accents={n['strip_accents']}, handle_chinese_chars={n['handle_chinese_chars']}, "
+            f"BertPreTokenizer, {tok.specials['cls_token']} ... {tok.specials['sep_token']}")
 
 
 # ---- learning a vocabulary ----

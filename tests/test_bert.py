@@ -5,6 +5,7 @@ import functools
 import http.server
 import json
 import os
+import re
 import shutil
 import threading
 
@@ -12,7 +13,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from lib import bert, hub
+from lib import bert, hub, wordpiece
 from lib.errors import UserError
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
@@ -278,3 +279,126 @@ def test_load_from_hub_id(hub_server, tmp_path, monkeypatch, golden):
     with pytest.raises(UserError, match="was not found"):
         bert.load_pretrained("naver/other", cache_dir=cache, log=quiet)
     assert hub.download_optional("naver/tiny-splade", "special_tokens_map.json", cache) is None
+
+
+# ---- a real tokenizer.json-only SPLADE directory, and check_model_dir ----
+
+REAL = os.path.join(FIXTURES, "real", "splade")
+
+
+@pytest.fixture(scope="module")
+def real_dir(tmp_path_factory):
+    """The real SPLADE model's config.json and tokenizer files (tests/fixtures/real/splade/), with random
+    weights of its shape (the real ones are not committed) under its tensor names: the old LayerNorm
+    gamma/beta, as the real model.safetensors has them."""
+    d = tmp_path_factory.mktemp("real-splade")
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(REAL, name), d)
+    cfg = bert.read_config(str(d))
+    torch.manual_seed(0)
+    model = bert.init_weights(bert.build_model(cfg))
+    sd = {re.sub(r"LayerNorm\.weight$", "LayerNorm.gamma", re.sub(r"LayerNorm\.bias$", "LayerNorm.beta", k)): v
+          for k, v in bert.to_hf_state_dict(model).items()}
+    save_file(sd, str(d / "model.safetensors"), metadata={"format": "pt"})
+    return d
+
+
+def fresh_copy(real_dir, tmp_path):
+    d = tmp_path / "model"
+    shutil.copytree(real_dir, d)
+    return d
+
+
+def test_real_tokenizer_json_only_directory_checks_and_loads(real_dir):
+    """What train_splade_*.py --model-name does with it: check first, then load model and tokenizer."""
+    assert not (real_dir / "vocab.txt").exists()
+    assert bert.check_model_dir(str(real_dir), log=pytest.fail) == str(real_dir)
+    model, cfg, model_dir = bert.load_pretrained(str(real_dir), log=pytest.fail)
+    assert (cfg.num_hidden_layers, cfg.hidden_size, cfg.num_attention_heads, cfg.vocab_size) == (2, 128, 2, 30522)
+    tok = wordpiece.load_tokenizer(model_dir, log=pytest.fail)
+    golden = json.load(open(os.path.join(REAL, "golden.json"), encoding="utf-8"))
+    assert [tok.encode(t) for t in golden["texts"][:50]] == golden["variants"]["real"]["auto"][:50]
+    with torch.no_grad():
+        out = model(*tok.batch(["sparse retrieval, by hand"], max_length=16))
+    assert out.shape == (1, 7, 30522)
+
+
+def test_check_model_dir_reports_every_problem_one_line_each(real_dir, tmp_path):
+    d = fresh_copy(real_dir, tmp_path)
+    weights = d / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-1000])  # a cut-off download
+    (d / "tokenizer.json").unlink()
+    (d / "config.json").write_text(json.dumps({"model_type": "roberta"}))
+    with pytest.raises(UserError) as e:
+        bert.check_model_dir(str(d), log=quiet)
+    lines = str(e.value).split("\nerror: ")
+    assert len(lines) == 3, lines
+    assert re.search(r"config\.json is not a BERT or DistilBERT config \(model_type 'roberta'", lines[0])
+    assert re.search(r"model\.safetensors is truncated \(17,6\d\d,\d\d\d bytes; its tensors end at byte 17,6\d\d,\d\d\d\); "
+                     r"download or save it again", lines[1])
+    assert re.search(r"has neither tokenizer\.json nor vocab\.txt", lines[2])
+
+
+@pytest.mark.parametrize("break_it, match", [
+    (lambda d: (d / "model.safetensors").write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not safetensors"),
+     r"model\.safetensors cannot be read as safetensors"),
+    (lambda d: _shard(d), r"holds a sharded checkpoint"),
+    (lambda d: (d / "model.safetensors").unlink(), r"has neither model\.safetensors nor pytorch_model\.bin"),
+    (lambda d: (d / "config.json").unlink(), r"config\.json is missing"),
+    (lambda d: _edit_json(d / "config.json", hidden_size=64), r"embeddings\.word_embeddings\.weight has shape \(30522, 128\), "
+                                                              r"config\.json implies \(30522, 64\)"),
+    (lambda d: _edit_json(d / "config.json", vocab_size=30000), r"the tokenizer has 30,522 ids but .*config\.json says "
+                                                                r"vocab_size 30,000"),
+    (lambda d: _edit_json(d / "tokenizer.json", normalizer={"type": "Precompiled"}) or
+     _edit_json(d / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast"), r"tokenizer\.json: normalizer Precompiled"),
+    (lambda d: _edit_json(d / "tokenizer.json", model={"type": "Unigram", "vocab": []}), r"model type Unigram is not WordPiece"),
+    (lambda d: (d / "tokenizer_config.json").write_text("{oops"), r"tokenizer_config\.json is not valid JSON"),
+])
+def test_check_model_dir_names_the_file_and_what_to_do(real_dir, tmp_path, break_it, match):
+    d = fresh_copy(real_dir, tmp_path)
+    break_it(d)
+    with pytest.raises(UserError, match=match) as e:
+        bert.check_model_dir(str(d), log=quiet)
+    assert str(d) in str(e.value)
+
+
+def _shard(d):
+    (d / "model.safetensors").rename(d / "model-00001-of-00002.safetensors")
+    (d / "model.safetensors.index.json").write_text("{}")
+
+
+def _edit_json(path, **changes):
+    obj = json.loads(path.read_text(encoding="utf-8"))
+    obj.update(changes)
+    path.write_text(json.dumps(obj))
+
+
+def test_check_model_dir_reads_pytorch_bin_without_loading_it(real_dir, tmp_path):
+    d = fresh_copy(real_dir, tmp_path)
+    torch.save(load_file(str(d / "model.safetensors")), d / "pytorch_model.bin")  # zip format: memory-mapped
+    (d / "model.safetensors").unlink()
+    assert bert.check_model_dir(str(d), log=quiet) == str(d)
+    shapes, path = bert.read_weight_shapes(str(d))
+    assert path.endswith("pytorch_model.bin") and shapes["bert.embeddings.word_embeddings.weight"] == (30522, 128)
+    assert shapes["bert.encoder.layer.1.output.LayerNorm.gamma"] == (128,)
+
+
+def test_check_model_dir_on_a_hub_id_with_tokenizer_json_only(hub_server, tmp_path, monkeypatch):
+    """A repository like most current ones: tokenizer.json, no vocab.txt. It is downloaded and checked."""
+    endpoint, requests = hub_server
+    repo = tmp_path / "www" / "org" / "json-splade" / "resolve" / "main"
+    repo.mkdir(parents=True)
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(os.path.join(DISTIL_DIR, name), repo)
+    tok = wordpiece.WordPiece(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(245)], do_lower_case=False)
+    tok.save(str(repo))
+    (repo / "vocab.txt").unlink()
+    monkeypatch.setenv("HF_ENDPOINT", endpoint)
+    model_dir = bert.check_model_dir("org/json-splade", cache_dir=str(tmp_path / "cache"), log=quiet)
+    assert sorted(os.listdir(model_dir)) == ["config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
+                                             "tokenizer_config.json"]
+    assert wordpiece.load_tokenizer(model_dir).tokenize("w1 W2") == ["w1", "[UNK]"]
+    (repo / "tokenizer.json").unlink()
+    with pytest.raises(UserError, match=r"org/no-tokenizer has none of tokenizer\.json, vocab\.txt"):
+        shutil.copytree(repo, tmp_path / "www" / "org" / "no-tokenizer" / "resolve" / "main")
+        bert.check_model_dir("org/no-tokenizer", cache_dir=str(tmp_path / "cache"), log=quiet)
