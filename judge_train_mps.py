@@ -457,8 +457,9 @@ def load_model(model_dir, recipe: Recipe, r, alpha, adapter, seed, log=print):
 
 
 def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: str, compute_bytes: int,
-                    r: int, optimizer: str = "adamw", checkpointing: bool = False) -> dict:
-    """Predicted peak bytes of one training step, per component (arithmetic only, from config.json).
+                    r: int, optimizer: str = "adamw", checkpointing: bool = False, generation: tuple = None,
+                    runtime: int = None) -> dict:
+    """Predicted peak bytes of a run, per component (arithmetic only, from config.json and the data's lengths).
 
     seq_len: the longest conversation the run will see (every batch is padded to its longest).
     base: "fp32", "bf16"/"fp16" or "nf4" (decoder linears in 4.13 bits, the rest in compute_bytes).
@@ -469,6 +470,11 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     fp32 residual stream at the two norms; with checkpointing only each layer's input is kept, plus
     one layer recomputed in backward. The logits: the compute-dtype logits, their fp32 copy and
     log-softmax, and the gradient (16 bytes a value in fp32).
+    generation: (rows, positions) of the greedy test evaluation, whose keys and values of every layer
+    stay in the KV cache while the answers grow (plus one layer's repeated to every query head, and the
+    copy a concatenation makes); it counts where it needs more than a training step.
+    runtime: what the process holds besides (on a CPU: measured, see runtime_bytes); by default the
+    device's RUNTIME_BASELINE. On a CPU the peak RSS also counts the blocks the allocator keeps.
     """
     h, L, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     kvd, qd = cfg.num_key_value_heads * cfg.head_dim, cfg.num_attention_heads * cfg.head_dim
@@ -505,7 +511,21 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     }
     if base == "nf4":
         estimate["dequantised weight (one layer at a time)"] = max(i * o for i, o in linears) * (4 + compute_bytes)
-    estimate["runtime baseline"] = RUNTIME_BASELINE.get(device_type, 0)
+    step = acts + estimate["logits + loss"]  # what one training step allocates and frees again
+    if device_type == "cpu":
+        # glibc keeps the blocks a step frees for reuse, and the next step cannot reuse them all: measured
+        # on SmolLM2-135M (batches of 1 and 4) the first step's peak RSS is the tensors above, every later
+        # step's about 1.75 times them, whatever the padding.
+        estimate["CPU allocator: freed blocks it keeps (0.75 x the step)"] = int(0.75 * step)
+    if generation:
+        rows, positions = generation
+        beyond_a_step = rows * positions * compute_bytes * (2 * kvd * (L + 1) + 2 * qd) - step
+        if beyond_a_step > 0:
+            estimate[f"test generation (KV cache, {rows} x {positions}) beyond a step"] = beyond_a_step
+    if runtime is None:
+        estimate["runtime baseline"] = RUNTIME_BASELINE.get(device_type, 0)
+    else:
+        estimate["runtime (measured: Python, torch, tokenizer, data)"] = runtime
     return estimate
 
 
@@ -842,7 +862,7 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
 
     # --- 3. the model's shape and tokenizer; the conversations tokenised; the memory they will need ---
     if args.estimate_memory:
-        return print_estimate(args, recipe, train_set, val_set, log)
+        return print_estimate(args, recipe, train_set, val_set, test_set, log)
     model_dir = tiny_base(args.cache_dir, log) if tiny else llama.resolve_model(args.model, args.cache_dir, log)
     cfg, tok = llama.read_config(model_dir), chat_tokenizer.load_tokenizer(model_dir)
     r, alpha = lora_shape(args, cfg, state)
@@ -852,7 +872,8 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
     log(f"data: {len(train_set)} train / {len(val_set)} val / {len(test_set)} test conversations "
         f"({args.data_dir or 'embedded judge set'}); {n_answer / len(train_set):.1f} answer tokens of "
         f"{sum(len(ids) for ids, _ in train_enc) / len(train_set):.1f} per conversation carry the loss")
-    estimate = estimate_for(cfg, recipe, args, r, train_enc + val_enc)
+    test_prompts = [tok.encode(tok.apply_chat_template(c[:-1], add_generation_prompt=True)) for c in test_set]
+    estimate = estimate_for(cfg, recipe, args, r, train_enc, val_enc, test_prompts)
     guards.check_memory(sum(estimate.values()), device, args.force, "lower --batch_size or --max_seq_length"
                         + ("" if recipe.base == "nf4" else ", or use judge_train_cuda.py (NF4)"))
     devices.reset_peak_memory(device)
@@ -923,15 +944,36 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
     return result
 
 
-def estimate_for(cfg, recipe: Recipe, args, r: int, encoded: list) -> dict:
+def estimate_for(cfg, recipe: Recipe, args, r: int, train_enc: list, val_enc: list, test_prompts: list) -> dict:
     """The estimate for these data: every batch is padded to its longest conversation, so the longest
-    conversation the run will see, in a full batch, is the step that needs the most memory."""
-    longest = max(len(ids) for ids, _ in encoded) if encoded else args.max_seq_length
-    return estimate_memory(cfg, args.batch_size, longest, recipe.device.type, recipe.base,
-                           4 if recipe.amp is None else 2, r, recipe.optimizer, recipe.checkpointing)
+    conversation the run will see, in a full batch, is the step that needs the most memory; the test
+    evaluation generates for 16 prompts at a time. Lists left empty (no tokenizer at hand for
+    --estimate-memory) assume --max_seq_length everywhere."""
+    longest = max((len(ids) for ids, _ in train_enc + val_enc), default=args.max_seq_length)
+    rows = min(args.batch_size, len(train_enc) or args.batch_size)
+    generation = None
+    if not args.skip_eval or args.baseline_eval:
+        prompt = max((len(ids) for ids in test_prompts), default=args.max_seq_length)
+        generation = (min(16, len(test_prompts) or args.test_samples or 16), prompt + args.max_new_tokens)
+    return estimate_memory(cfg, rows, longest, recipe.device.type, recipe.base, 4 if recipe.amp is None else 2, r,
+                           recipe.optimizer, recipe.checkpointing, generation, runtime_bytes(recipe.device))
 
 
-def print_estimate(args, recipe: Recipe, train_set, val_set, log=print) -> dict:
+def runtime_bytes(device):
+    """On a CPU the peak RSS counts everything the process holds, so what it holds before the model is
+    loaded (Python, torch, the tokenizer, the data) is measured rather than assumed. torch's optimizers
+    import torch._dynamo (and sympy) on first use, about 70 MiB: it is imported first, so it counts."""
+    if device.type != "cpu":
+        return None
+    import torch._dynamo  # noqa: F401
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak so far is the nearest figure
+        return devices.peak_memory_bytes(device)
+
+
+def print_estimate(args, recipe: Recipe, train_set, val_set, test_set, log=print) -> dict:
     """--estimate-memory: config.json (a built-in copy for the named models, so it works before any
     download) and, where it is at hand, the tokenizer, to measure the data; nothing is written."""
     if args.model == TINY:
@@ -942,15 +984,17 @@ def print_estimate(args, recipe: Recipe, train_set, val_set, log=print) -> dict:
         cfg = llama.config_for_estimate(args.model, args.cache_dir)
         cached = os.path.join(args.cache_dir, "hub", args.model.replace("/", "--"), "main")
         model_dir = args.model if os.path.isdir(args.model) else cached if os.path.isdir(cached) else None
-    encoded = []
+    train_enc, val_enc, test_prompts = [], [], []
     tokenizer_files = ("tokenizer.json", "vocab.json", "tokenizer.model")
     if model_dir and any(os.path.isfile(os.path.join(model_dir, name)) for name in tokenizer_files):
         tok = chat_tokenizer.load_tokenizer(model_dir)
-        encoded = [encode_conversation(tok, c, args.max_seq_length) for c in train_set + val_set]
+        train_enc, val_enc = ([encode_conversation(tok, c, args.max_seq_length) for c in split]
+                              for split in (train_set, val_set))
+        test_prompts = [tok.encode(tok.apply_chat_template(c[:-1], add_generation_prompt=True)) for c in test_set]
     r = args.lora_r or lora_rank_for(count_params(cfg))[0]
-    estimate = estimate_for(cfg, recipe, args, r, encoded)
+    estimate = estimate_for(cfg, recipe, args, r, train_enc, val_enc, test_prompts)
     n = count_params(cfg)
-    longest = max(len(ids) for ids, _ in encoded) if encoded else None
+    longest = max((len(ids) for ids, _ in train_enc + val_enc), default=None)
     log(f"{args.model}: {f'{n / 1e9:.3f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters, LoRA r={r} on "
         f"{', '.join(LORA_TARGETS)}; base {recipe.base}, {recipe.optimizer}, batch {args.batch_size} x "
         + (f"{longest} tokens (the longest conversation of the data)" if longest else

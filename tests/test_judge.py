@@ -230,6 +230,31 @@ def test_estimate_matches_a_built_model():
     assert judge.lora_param_count(cfg, 8) == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def test_estimate_uses_the_lengths_of_the_data():
+    """The step that needs the most memory is a full batch padded to the longest conversation the run
+    will see, not --max_seq_length; a batch larger than the data is the data."""
+    import argparse
+
+    from lib import llama
+
+    cfg = llama.LlamaConfig(vocab_size=640, **judge.TINY_SHAPE)  # h 64, q 64, k/v 32, MLP 192, 2 layers
+    args = argparse.Namespace(batch_size=8, max_seq_length=512, skip_eval=True, baseline_eval=False,
+                              test_samples=None, max_new_tokens=48)
+    recipe = judge.Recipe(torch.device("cuda"))  # no measured runtime: the arithmetic alone
+    train_enc, val_enc = [([0] * n, 1) for n in (10, 37, 20)], [([0] * 30, 1)]
+    est = judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [])
+    # per layer and token, fp32: 4 x (2h + q + 2kv + o + 4 x 192 + 4h) + 8h = 4 x 1344 + 512 = 5,888 bytes
+    assert est["activations"] == 2 * 3 * 37 * 5888  # 2 layers, 3 rows (all the data), 37 tokens
+    assert est["logits + loss"] == 3 * 37 * 640 * 16
+    # the test evaluation: 16 prompts of at most 20 tokens + 48 new ones; its KV cache (3 layers' keys
+    # and values of 32, one layer's repeated to 64, 4 bytes) is below a training step: not counted
+    args.skip_eval, args.test_samples = False, 16
+    assert judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [[0] * 20] * 16) == est
+    big = judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [[0] * 400] * 16)
+    beyond = 16 * 448 * 4 * (2 * 32 * 3 + 2 * 64) - est["activations"] - est["logits + loss"]
+    assert big["test generation (KV cache, 16 x 448) beyond a step"] == beyond > 0
+
+
 # --- both scripts end to end on --model tiny (CPU) -------------------------------------------------
 from conftest import read_metrics  # noqa: E402
 
