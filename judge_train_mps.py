@@ -584,14 +584,14 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
     def validate(step):
         """The validation loss; the best adapter so far is saved; True when early stopping says stop."""
         val_loss = validation_loss(model, val_enc, args.batch_size, pad_id, device, amp)
-        progress.first_val = val_loss if progress.first_val is None else progress.first_val
-        progress.last_eval = step
         improved = progress.best_val is None or val_loss < progress.best_val - args.min_delta
         if improved:
-            save_adapter(step)
+            save_adapter(step)  # before progress records it: a save cut short by Ctrl-C is redone on --resume
             progress.best_val, progress.best_step, progress.bad_evals = val_loss, step, 0
         else:
             progress.bad_evals += 1
+        progress.first_val = val_loss if progress.first_val is None else progress.first_val
+        progress.last_eval = step
         log(f"step {step}: validation loss {val_loss:.4f} ("
             + ("best, adapter saved" if improved else f"no gain {progress.bad_evals}/{args.patience}") + ")")
         mlog.log(step=step, val_loss=val_loss, best=improved)
@@ -893,8 +893,10 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
     _, total_steps, _ = schedule(args, len(train_enc))
     if state is not None:
         progress = restore(state, os.path.join(args.output_dir, rundir.STATE), model, optimizer, scaler)
+        # A run that stopped early stays stopped, unless a larger --patience gives it more validations.
+        progress.stopped_early = progress.stopped_early and progress.bad_evals >= args.patience
         log(f"resuming from step {progress.step} of {total_steps} in {args.output_dir}"
-            + ("; it stopped early, nothing more to train" if progress.stopped_early else
+            + ("; it stopped early (pass a larger --patience to go on)" if progress.stopped_early else
                "" if total_steps > progress.step else "; it already ran its --epochs, pass more to train further"))
     mlog = rundir.begin(run_dir, args)  # the first write: only now does --overwrite clear the old run
     mlog.log(event="start", seed=args.seed, step=progress.step, device=str(device), base=recipe.base,
