@@ -514,11 +514,12 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     step = acts + estimate["logits + loss"]  # what one training step allocates and frees again
     if device_type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # glibc keeps the blocks a step frees for reuse (its mmap threshold rises to the largest block
-        # freed, up to 32 MiB), and the next step cannot reuse them all: measured on SmolLM2-135M (batches
-        # of 1 and 4) the first step's peak RSS is the tensors above, every later step's about 1.75 times
-        # them, whatever the padding. With MALLOC_MMAP_THRESHOLD_=131072 every larger block is mapped and
-        # given back when freed: the peak is the tensors, for more system time (page faults).
-        estimate["CPU allocator: freed blocks it keeps (0.75 x the step)"] = int(0.75 * step)
+        # freed, up to 32 MiB), and blocks still in use between them keep it from reusing them all: on
+        # SmolLM2-135M (batches of 1 and 4, fp32 or NF4, with or without checkpointing) the peak RSS held
+        # about 0.75 x the activations a step makes (as if none were checkpointed) beyond the tensors
+        # above. With MALLOC_MMAP_THRESHOLD_=131072 every larger block is mapped and given back when
+        # freed: the peak is the tensors, for more system time (the kernel zeroes the pages it maps).
+        estimate["CPU allocator: blocks glibc keeps (measured)"] = int(0.75 * L * per_layer)
     if generation:
         rows, positions = generation
         beyond_a_step = rows * positions * compute_bytes * (2 * kvd * (L + 1) + 2 * qd) - step
