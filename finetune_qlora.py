@@ -20,13 +20,12 @@ docs/qlora_explained.md; the code path: docs/qlora_code_walkthrough.md.
 import argparse
 import math
 import os
-import signal
 import sys
 import time
 
 import torch
 
-from lib import checkpoint, data, finetune, guards, lora, memory, metrics, nf4, optim, tokenizer
+from lib import checkpoint, data, finetune, guards, lora, memory, metrics, nf4, optim, rundir
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -71,19 +70,31 @@ def make_parser():
     return p
 
 
+# The run directory (lib/rundir.py): finetune_lora.py's, plus the NF4 settings and the dtype of A and B, which
+# make the run what it is too.
+RUN = rundir.Spec(saved=finetune.SAVED, optional=finetune.OPTIONAL, written=finetune.WRITTEN,
+                  fixed=(*finetune.FIXED, "nf4_block_size", "no_double_quant", "lora_dtype"),
+                  changeable=finetune.CHANGEABLE, data=("data",))
+
+
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)  # a bad value ends here: one usage line, exit 2
     try:
-        return run(args, parser, argv)
+        return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as e:
         report_and_exit(e)
 
 
-def run(args, parser, argv=None):
+def run(args, parser, argv):
+    # --- checks before any work: the flags, the run directory, the base and the adapter ------------
     finetune.check_arguments(args)
     if args.nf4_block_size % 2:
         raise UserError(f"--nf4-block-size must be an even number (two codes share a byte), got {args.nf4_block_size}")
+    # A saved run is never replaced without --overwrite; --resume validates every saved file and takes the
+    # saved run's flags (lib/rundir.py). Then the base's config.json and the --adapter files are checked.
+    run_dir = rundir.prepare(args, parser, argv, RUN, writes=not args.estimate_memory)
+    state, settings, cfg = finetune.resolve_run(args, run_dir)
     log = print
 
     # --- device -----------------------------------------------------------------------------------
@@ -97,31 +108,21 @@ def run(args, parser, argv=None):
     # elsewhere fp32 master weights, which cost nothing measurable on a CPU and fp16 needs anyway.
     lora_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(
         args.lora_dtype, torch.bfloat16 if amp == torch.bfloat16 and device.type == "cuda" else torch.float32)
-    lora_name = "bf16" if lora_dtype == torch.bfloat16 else "fp32"
     double_quant = not args.no_double_quant
 
-    # --- base model configuration, and every check that needs no work ------------------------------
-    # Paths, the run saved in --out-dir (--resume continues it, nothing replaces it without
-    # --overwrite), the base's config.json, --resume's flags, the --adapter files: all before any work.
-    state, settings, cfg = finetune.resolve_run(args, parser, argv, log,
-                                                           fixed=["nf4_block_size", "no_double_quant", "lora_dtype"])
-    block_size = args.block_size or cfg.block_size
-    if block_size > cfg.block_size:
-        raise UserError(f"--block-size {block_size} exceeds the base model's {cfg.block_size} positions; use at most {cfg.block_size}")
-    if cfg.vocab_size < tokenizer.VOCAB_SIZE:
-        raise UserError(f"vocabulary mismatch: the base has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer needs "
-                        f"{tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
-    tokens_per_step = args.batch_size * block_size * args.grad_accum
-    log(f"base: {state['base'] if state else args.init_from or finetune.DEFAULT_BASE} ({cfg.n_layer} layers, "
-        f"{cfg.n_head} heads, {cfg.n_embd} wide), block weights in NF4 (blocks of {args.nf4_block_size}, double quantisation "
+    # --- memory: the estimate, and the check before anything is allocated or downloaded --------------
+    tokens_per_step = args.batch_size * args.block_size * args.grad_accum
+    compute = "fp32 or bf16 (timed before training)" if probe_cpu_dtype else \
+        finetune.dtype_name(amp) + (" autocast" if amp else "")
+    log(f"base: {state['base'] if state else args.init_from} ({cfg.n_layer} layers, {cfg.n_head} heads, "
+        f"{cfg.n_embd} wide), block weights in NF4 (blocks of {args.nf4_block_size}, double quantisation "
         f"{'on' if double_quant else 'off'}); LoRA r={settings['r']} alpha={settings['alpha']:g} on "
-        f"{', '.join(settings['targets'])} in {lora_name}; device {device}, "
-        f"{'fp32 or bf16 (timed before training)' if probe_cpu_dtype else finetune.dtype_name(amp) + (' autocast' if amp else '')}; "
-        f"{tokens_per_step:,} tokens per step")
+        f"{', '.join(settings['targets'])} in {'bf16' if lora_dtype == torch.bfloat16 else 'fp32'}; "
+        f"device {device}, {compute}; {tokens_per_step:,} tokens per step")
 
     def estimate_for(amp):  # called again once --dtype auto has picked the CPU's dtype
-        return memory.estimate_lora_finetuning(cfg, args.batch_size, block_size, device.type, amp is not None, "nf4",
-                                               settings["targets"], settings["r"], lora_dtype.itemsize,
+        return memory.estimate_lora_finetuning(cfg, args.batch_size, args.block_size, device.type, amp is not None,
+                                               "nf4", settings["targets"], settings["r"], lora_dtype.itemsize,
                                                settings["dropout"], args.nf4_block_size, double_quant)
     if args.estimate_memory:
         note = "\n(for fp32; on a CPU --dtype auto times bf16 against fp32 before training)" if probe_cpu_dtype else ""
@@ -134,26 +135,28 @@ def run(args, parser, argv=None):
 
     # --- data -------------------------------------------------------------------------------------
     data_dir = data.prepare(args.data, args.cache_dir, log=log)
-    train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size, args.grad_accum, seed=args.seed)
-    val_batches = data.Batches(data.TokenSplit(data_dir, "val"), args.batch_size, block_size, 1, seed=args.seed + 1)
+    train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, args.block_size,
+                                 args.grad_accum, seed=args.seed)
+    val_batches = data.Batches(data.TokenSplit(data_dir, "val"), args.batch_size, args.block_size, 1,
+                               seed=args.seed + 1)
 
     # --- model: the base quantised to NF4 as it is read, then LoRA on the chosen layers ------------
     devices.reset_peak_memory(device)  # count fine-tuning, not tokenisation
     model = finetune.load_base(model_dir, device, convert_linear=lambda name, linear: nf4.LinearNF4.from_linear(
         linear, args.nf4_block_size, double_quant))
     torch.manual_seed(args.seed)  # A's random initialisation (B starts at zero)
-    if args.adapter:
+    if args.adapter and state is None:
         finetune.load_adapter(model, args.adapter, dtype=lora_dtype)
         log(f"loaded the adapter in {args.adapter}")
     else:
         lora.apply_lora(model, settings["targets"], settings["r"], settings["alpha"], settings["dropout"],
                         settings["rslora"], dtype=lora_dtype)
-    if state is not None:
+    if state is not None:  # --resume: A and B as they were saved
         finetune.restore_trainable(model, state["trainable"], os.path.join(args.out_dir, checkpoint.STATE))
     n_lora, n_total = lora.count_parameters(model)
     log(f"trainable parameters: {n_lora:,} of {n_total:,} ({100 * n_lora / n_total:.3f}%)")
-    if probe_cpu_dtype and state is not None:
-        amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[state["compute_dtype"]]  # a resumed run keeps its choice
+    if probe_cpu_dtype and state is not None:  # a resumed run keeps the dtype it timed
+        amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[state["compute_dtype"]]
     elif probe_cpu_dtype:
         amp, seconds = pick_cpu_dtype(model, *train_batches.get(0, 0, device))
         log(f"compute dtype: {'bf16 autocast' if amp else 'fp32'}, timed here (one step: fp32 "
@@ -163,35 +166,33 @@ def run(args, parser, argv=None):
     # --- optimiser: only the LoRA matrices ---------------------------------------------------------
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = optim.make_adamw(params, args.lr, args.weight_decay, (args.beta1, args.beta2), device.type)
+    # fp16 gradients underflow; the scaler multiplies the loss up and divides the gradients back.
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
-    start_step, first_val = 0, None
+    start_step, first_val = finetune.restore_optimizer(state, optimizer) if state else (0, None)
     if state is not None:
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
-        start_step, first_val = state["step"], state["first_val_loss"]
         log(f"resuming from step {start_step} in {args.out_dir}")
 
     # --- training loop ----------------------------------------------------------------------------
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    guards.start_metrics(metrics_path, args.resume)  # a fresh run's log starts empty; --resume appends
-    metrics_log = metrics.MetricsLog(metrics_path)
+    metrics_log = rundir.begin(run_dir, args)  # the first write; --overwrite clears the old run only now
     metrics_log.log(event="start", seed=args.seed, step=start_step, device=str(device), dtype=finetune.dtype_name(amp),
-                    base=model_dir, lora=settings,
-                    n_params=n_total, n_trainable=n_lora, config=vars(cfg), args=vars(args))
+                    base=model_dir, lora=settings, n_params=n_total, n_trainable=n_lora, config=vars(cfg),
+                    args=vars(args))
     sample_before = None
     if args.sample_tokens > 0:
         sample_before = finetune.sample(model, args, device, amp)
         log(f"sample before fine-tuning (step {start_step}):\n" + "-" * 40 + "\n" + sample_before + "\n" + "-" * 40)
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
-    flops_per_step = finetune.flops_per_token(n_total, n_lora, cfg.n_layer, cfg.n_embd, block_size) * tokens_per_step
+    flops_per_token = finetune.flops_per_token(n_total, n_lora, cfg.n_layer, cfg.n_embd, args.block_size)
+    flops_per_step = flops_per_token * tokens_per_step
     speed = metrics.Throughput(args.steps, start_step)
-    # next_step moves only once optimizer.step() has run: an interrupt anywhere in a step saves a
+    # next_step moves only once the update has been applied: an interrupt anywhere in a step saves a
     # state that --resume continues without repeating or skipping an update.
-    step = next_step = start_step
-    # The last step saved with finite weights: what a stop for NaN names (None: nothing saved yet).
-    last_finite = start_step if state is not None else None
+    next_step = start_step
+    updates = rundir.Updates(args.out_dir, last_saved=start_step if state else None)  # skipped ones, the last save
+
+    def save(step):  # the adapter and the training state after `step` updates (the next step to run)
+        finetune.save(run_dir, model, optimizer, step, model_dir, settings, first_val, amp, args, updates)
+
     val_loss = None
     try:
         for step in range(start_step, args.steps):
@@ -213,20 +214,21 @@ def run(args, parser, argv=None):
                 scaler.scale(loss).backward()  # through the NF4 layers (dequantised again) to A and B
                 loss_sum += loss.detach()
             loss_value = loss_sum.item()
-            if not math.isfinite(loss_value):
-                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, "
-                                f"{guards.last_finite_text(last_finite, args.out_dir)}; lower --lr or check the data")
+            updates.check_loss(step, loss_value)  # a NaN loss stops the run before its update
             scaler.unscale_(optimizer)
             grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip or float("inf")).item()
+            # A NaN or inf gradient never reaches A and B: the update is skipped (fp16's GradScaler does that
+            # by itself, and lowers its scale).
             skipped = not math.isfinite(grad_norm)
-            if skipped:  # as GradScaler does: a NaN or inf gradient never reaches A and B
-                log(f"step {step}: gradient norm is {grad_norm}; update skipped")
-            else:
+            if scaler.is_enabled() or not skipped:
                 scaler.step(optimizer)
-            next_step = step + 1
             scaler.update()
             optimizer.zero_grad(set_to_none=True)
+            next_step = step + 1
             speed.add(tokens_per_step)
+            if skipped:
+                log(f"step {step}: gradient norm is {grad_norm}; update skipped")
+            updates.record(step, skipped and not scaler.is_enabled())  # stops after 10 skipped in a row
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=None if skipped else grad_norm, skipped=skipped)
             if step % args.log_interval == 0 or step == args.steps - 1:
@@ -237,16 +239,12 @@ def run(args, parser, argv=None):
                 record.update(tokens_per_s=round(tok_s), mfu=mfu, peak_memory=mem)
                 log(metrics.progress_line(step, args.steps, loss_value, lr, tok_s, mfu, mem, eta))
             metrics_log.log(**record)
-
-            if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
-                last_finite = finetune.save(args.out_dir, model, optimizer, step + 1, model_dir, settings, first_val,
-                                            amp, args, last_finite)
-        step = max(args.steps, start_step)
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
-        finetune.save(args.out_dir, model, optimizer, next_step, model_dir, settings, first_val, amp, args, last_finite)
-        print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        sys.exit(130)
+            if next_step % args.save_interval == 0 and next_step < args.steps:
+                save(next_step)
+    except KeyboardInterrupt:  # save exactly the updates made so far, then exit 130
+        rundir.save_on_interrupt(lambda: save(next_step), next_step, args.out_dir)
+    step = next_step
+    updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 
     # --- save -------------------------------------------------------------------------------------
     val_loss = finetune.evaluate(model, val_batches, args.eval_batches, device, amp)
@@ -254,7 +252,7 @@ def run(args, parser, argv=None):
     metrics_log.log(step=step, val_loss=val_loss)
     trained = step > start_step
     if trained:
-        finetune.save(args.out_dir, model, optimizer, step, model_dir, settings, first_val, amp, args, last_finite)
+        save(step)
         log(f"saved the adapter to {args.out_dir}/{lora.CONFIG_NAME} and {lora.WEIGHTS_NAME} (PEFT layout, "
             f"loadable by finetune_lora.py --adapter), and {checkpoint.STATE} for --resume")
 

@@ -4,9 +4,10 @@
     python train.py --model-size gpt2 --compile       # GPT-2 124M on a GPU
     torchrun --standalone --nproc_per_node=2 train.py # DDP: one process per device
 
-This is the same training as onefile_train.py, which inlines everything imported here; with the
-same seed and flags both print the same loss at every step. Read this file top to bottom:
-arguments, device and distributed setup, model, data, optimiser, training loop, save, report.
+onefile_train.py is the core of this training written out in one file (single process, no --init-from,
+no sample); for the flags both have, with the same seed, both print the same loss at every step. Read this
+file top to bottom: arguments, then run(): device and distributed setup, model configuration and memory,
+data, model, optimiser, training loop, save, report (the helpers above run() are its bookkeeping).
 
 Nothing saved is lost: a fresh run refuses an --out-dir holding a saved run (--resume or --overwrite);
 --resume refuses flags that contradict the saved run; an update whose gradient norm is not finite is
@@ -83,7 +84,8 @@ def make_parser():
                    help="peak FLOP/s of the device, for MFU where it is not in the table")
     g.add_argument("--estimate-memory", action="store_true", help="print the predicted memory breakdown and exit")
     g = p.add_argument_group("sample")
-    g.add_argument("--sample-tokens", type=guards.nonneg_int, default=200, help="tokens to generate at the end (0: none)")
+    g.add_argument("--sample-tokens", type=guards.nonneg_int, default=200,
+                   help="tokens to generate at the end (0: none)")
     g.add_argument("--prompt", default="", help="sample prompt; if empty, start a new file after <|endoftext|>")
     g.add_argument("--temperature", type=guards.nonneg_float, default=0.8,
                    help="sampling temperature (0: always the most likely token)")
@@ -158,6 +160,83 @@ def save(run_dir, raw_model, optimizer, step, args, first_val, updates, dist_inf
     updates.saved(step)
 
 
+def model_config(args, parser, argv, dist_info, log):
+    """The model's shape: the saved run's, a pretrained GPT-2's or --model-size's with the shape flags. Only
+    config.json is read: the memory check comes before any weight is read or downloaded. The shape the run
+    really has is recorded in args, so a later --resume compares against it. Returns (cfg, block_size)."""
+    if args.resume:
+        cfg = checkpoint.load_config(args.out_dir)
+    elif args.init_from:
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, ("config.json",), log=log))
+        cfg = checkpoint.load_config(model_dir)
+        cfg.dropout = args.dropout
+        checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
+    else:
+        shape = dict(gpt.MODEL_SIZES[args.model_size])
+        for key in ("n_layer", "n_head", "n_embd", "block_size"):
+            if getattr(args, key) is not None:
+                shape[key] = getattr(args, key)
+        if shape["n_embd"] % shape["n_head"]:
+            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}; "
+                            f"pick a width that is a multiple of the head count")
+        cfg = gpt.GPTConfig(**shape, dropout=args.dropout)
+    block_size = args.block_size or cfg.block_size
+    if block_size > cfg.block_size:
+        raise UserError(f"--block-size {block_size} exceeds the model's {cfg.block_size} positions; use at most "
+                        f"{cfg.block_size}")
+    if cfg.vocab_size < tokenizer.VOCAB_SIZE:
+        raise UserError(f"vocabulary mismatch: the checkpoint has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer "
+                        f"needs {tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
+    args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, block_size
+    return cfg, block_size
+
+
+def initial_weights(args, dist_info, log):
+    """The state dict to start from: the saved run's (checked finite) with --resume, a pretrained GPT-2's with
+    --init-from (downloaded now, after the memory check, for a hub id), else None (a fresh initialisation)."""
+    if args.resume:
+        _, state_dict = checkpoint.load_hf(args.out_dir)
+        bad = guards.nonfinite(state_dict)
+        if bad:
+            raise UserError(f"{args.out_dir}/{checkpoint.WEIGHTS} holds non-finite weights ({len(bad)} tensors, e.g. "
+                            f"{bad[0]}), so it cannot be continued; start again with --overwrite and a lower --lr")
+        return state_dict
+    if args.init_from:
+        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
+            args.init_from, args.cache_dir, log=log))
+        return checkpoint.load_hf(model_dir)[1]
+    return None
+
+
+def restore(train_state, optimizer, args, log):
+    """--resume: AdamW's moments and the RNG states (dropout draws from them) as saved. Returns (the step to
+    continue from, the run's first validation loss)."""
+    if train_state is None:
+        return 0, None
+    optimizer.load_state_dict(train_state["optimizer"])
+    torch.set_rng_state(train_state["rng_cpu"])
+    if train_state["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(train_state["rng_cuda"])
+    start_step = train_state["step"]
+    if args.steps < start_step:
+        raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --steps {start_step} or more")
+    log(f"resuming from step {start_step} in {args.out_dir}" + ("" if args.steps > start_step else
+        f"; it already ran its --steps {args.steps}, pass a larger --steps to train further"))
+    return start_step, train_state.get("first_val_loss")
+
+
+def sample(raw_model, args, device, amp):
+    """--sample-tokens tokens after --prompt (or <|endoftext|>: a new file), from a generator seeded with --seed."""
+    raw_model.eval()
+    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    with devices.autocast(device, amp):
+        out = raw_model.generate(torch.tensor([prompt], device=device), args.sample_tokens, args.temperature,
+                                 args.top_k, generator=g)
+    return tokenizer.decode(t for t in out[0].tolist() if t != tokenizer.EOT)
+
+
 def run(args, parser, argv):
     # --- checks before any work -------------------------------------------------------------------
     check_args(args)
@@ -178,39 +257,15 @@ def run(args, parser, argv):
     if amp is not None and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True  # fp32 matmuls outside autocast use TF32
 
-    # --- model configuration --------------------------------------------------------------------
-    # Only config.json is read here: the memory check below comes before any weight is read or downloaded.
-    if args.resume:
-        cfg = checkpoint.load_config(args.out_dir)
-    elif args.init_from:
-        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
-            args.init_from, args.cache_dir, ("config.json",), log=log))
-        cfg = checkpoint.load_config(model_dir)
-        cfg.dropout = args.dropout
-        checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
-    else:
-        shape = dict(gpt.MODEL_SIZES[args.model_size])
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
-            if getattr(args, key) is not None:
-                shape[key] = getattr(args, key)
-        if shape["n_embd"] % shape["n_head"]:
-            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}; "
-                            f"pick a width that is a multiple of the head count")
-        cfg = gpt.GPTConfig(**shape, dropout=args.dropout)
-    block_size = args.block_size or cfg.block_size
-    if block_size > cfg.block_size:
-        raise UserError(f"--block-size {block_size} exceeds the model's {cfg.block_size} positions; use at most {cfg.block_size}")
-    if cfg.vocab_size < tokenizer.VOCAB_SIZE:
-        raise UserError(f"vocabulary mismatch: the checkpoint has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer "
-                        f"needs {tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
-    # Record the shape the run really has, so a later --resume compares against it.
-    args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, block_size
+    # --- model configuration and memory --------------------------------------------------------------
+    cfg, block_size = model_config(args, parser, argv, dist_info, log)
     with torch.device("meta"):
         n_params = gpt.GPT(cfg).num_params()
     tokens_per_step = args.batch_size * block_size * args.grad_accum * dist_info.world_size
     log(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, {n_params:,} parameters; "
         f"device {device}{f' x {dist_info.world_size} ranks' if dist_info.enabled else ''}, "
-        f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; {tokens_per_step:,} tokens per step")
+        f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; "
+        f"{tokens_per_step:,} tokens per step")
 
     estimate = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type, amp is not None,
                                             ddp=dist_info.enabled)
@@ -233,17 +288,7 @@ def run(args, parser, argv):
 
     # --- model ------------------------------------------------------------------------------------
     devices.reset_peak_memory(device)  # count training, not tokenisation
-    state_dict = None
-    if args.resume:
-        _, state_dict = checkpoint.load_hf(args.out_dir)
-        bad = guards.nonfinite(state_dict)
-        if bad:
-            raise UserError(f"{args.out_dir}/{checkpoint.WEIGHTS} holds non-finite weights ({len(bad)} tensors, e.g. "
-                            f"{bad[0]}), so it cannot be continued; start again with --overwrite and a lower --lr")
-    elif args.init_from:
-        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
-            args.init_from, args.cache_dir, log=log))
-        _, state_dict = checkpoint.load_hf(model_dir)
+    state_dict = initial_weights(args, dist_info, log)
     raw_model = gpt.GPT(cfg)
     if state_dict is not None:
         raw_model.load_state_dict(state_dict)
@@ -255,20 +300,11 @@ def run(args, parser, argv):
         model = DDP(model, device_ids=[dist_info.local_rank] if device.type == "cuda" else None)
 
     # --- optimiser --------------------------------------------------------------------------------
-    optimizer = optim.make_adamw(raw_model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2), device.type)
+    optimizer = optim.make_adamw(raw_model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2),
+                                 device.type)
     # fp16 gradients underflow; the scaler multiplies the loss up and divides the gradients back.
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
-    start_step, first_val = 0, None
-    if train_state is not None:
-        optimizer.load_state_dict(train_state["optimizer"])
-        torch.set_rng_state(train_state["rng_cpu"])
-        if train_state["rng_cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(train_state["rng_cuda"])
-        start_step, first_val = train_state["step"], train_state.get("first_val_loss")
-        if args.steps < start_step:
-            raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --steps {start_step} or more")
-        log(f"resuming from step {start_step} in {args.out_dir}" + ("" if args.steps > start_step else
-            f"; it already ran its --steps {args.steps}, pass a larger --steps to train further"))
+    start_step, first_val = restore(train_state, optimizer, args, log)  # with --resume: where it stopped
 
     # --- training loop ----------------------------------------------------------------------------
     metrics_log = rundir.begin(run_dir, args, dist_info.is_main)  # the first write; --overwrite clears only now
@@ -302,8 +338,8 @@ def run(args, parser, argv):
             for micro in range(args.grad_accum):
                 x, y = train_batches.get(step, micro, device)
                 # Under DDP, skip the gradient all-reduce on every micro-step but the last.
-                sync = model.no_sync() if dist_info.enabled and micro < args.grad_accum - 1 else contextlib.nullcontext()
-                with sync:
+                last_micro = micro == args.grad_accum - 1
+                with model.no_sync() if dist_info.enabled and not last_micro else contextlib.nullcontext():
                     with devices.autocast(device, amp):
                         loss = model(x, y)[1]  # drop the logits now: holding them costs B x T x vocab floats
                     loss = loss / args.grad_accum  # so the accumulated gradient is the batch mean
@@ -358,23 +394,17 @@ def run(args, parser, argv):
         metrics_log.log(step=step, val_loss=val_loss)
     save(run_dir, raw_model, optimizer, step, args, first_val, updates, dist_info)
     if dist_info.is_main:
-        log(f"saved {args.out_dir}/{checkpoint.CONFIG}, {checkpoint.WEIGHTS} (Hugging Face GPT-2 layout) and {checkpoint.STATE}")
+        log(f"saved {args.out_dir}/{checkpoint.CONFIG}, {checkpoint.WEIGHTS} (Hugging Face GPT-2 layout) and "
+            f"{checkpoint.STATE}")
 
     # --- report -----------------------------------------------------------------------------------
     peak = devices.peak_memory_bytes(device)
     log(memory.format_table(estimate, peak, f"measured ({devices.memory_label(device)})"))
-    sample = None
-    if args.sample_tokens > 0 and dist_info.is_main:
-        raw_model.eval()
-        prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
-        idx = torch.tensor([prompt], device=device)
-        g = torch.Generator(device=device).manual_seed(args.seed)
-        with devices.autocast(device, amp):
-            out = raw_model.generate(idx, args.sample_tokens, args.temperature, args.top_k, generator=g)
-        sample = tokenizer.decode(t for t in out[0].tolist() if t != tokenizer.EOT)
-        log("sample:\n" + "-" * 40 + "\n" + sample + "\n" + "-" * 40)
-    metrics_log.log(event="end", step=step, val_loss=val_loss, peak_memory=peak, memory_estimate=sum(estimate.values()),
-                    sample=sample)
+    text = sample(raw_model, args, device, amp) if args.sample_tokens > 0 and dist_info.is_main else None
+    if text is not None:
+        log("sample:\n" + "-" * 40 + "\n" + text + "\n" + "-" * 40)
+    metrics_log.log(event="end", step=step, val_loss=val_loss, peak_memory=peak,
+                    memory_estimate=sum(estimate.values()), sample=text)
     distributed.cleanup(dist_info)
     return {"val_loss": val_loss, "first_val_loss": first_val, "peak_memory": peak}
 

@@ -25,7 +25,6 @@ training loop, save, report. The helpers above run() are the FSDP-specific steps
 
 import argparse
 import functools
-import json
 import math
 import os
 import shutil
@@ -45,7 +44,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from safetensors import SafetensorError, safe_open
 from torch.utils.checkpoint import checkpoint as recompute
 
-from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, tokenizer
+import train
+from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, rundir, tokenizer
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -106,7 +106,8 @@ def make_parser():
                    "(MixedPrecisionPolicy); auto = bf16 on CUDA GPUs that have it, fp32 elsewhere; fp16 is refused "
                    "(it would need a sharded GradScaler)")
     g.add_argument("--seed", type=guards.nonneg_int, default=1337, help="the same on every rank: weights, data order")
-    g.add_argument("--out-dir", default="out/train_fsdp", help="sharded checkpoints, metrics.jsonl and the exported model")
+    g.add_argument("--out-dir", default="out/train_fsdp",
+                   help="sharded checkpoints, metrics.jsonl and the exported model")
     g.add_argument("--resume", action="store_true", help="continue from the newest sharded checkpoint in --out-dir")
     guards.add_safety_flags(g)
     g.add_argument("--export", action=argparse.BooleanOptionalAction, default=True,
@@ -132,16 +133,56 @@ def make_parser():
     return p
 
 
-# --resume continues the saved run: these flags would change what it is (model, data, the windows a step
-# reads), so given explicitly they must match it, and unset they take the saved values. The rest may change:
-# given, they are reported; unset, they keep the saved values (except --device: it may be another machine).
-RESUME_FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
-                "batch_size", "grad_accum")
-RESUME_CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                     "eval_interval", "eval_batches", "save_interval", "log_interval", "device", "dtype",
-                     "reshard_after_forward", "cpu_offload", "activation_checkpointing", "export",
-                     "sample_tokens", "prompt", "temperature", "top_k")
-MAX_SKIPPED = 10  # consecutive updates skipped for a non-finite gradient before the run stops
+def check_shards(path):
+    """sharded/latest.json and the shard files it names, checked before anything is written (on every rank, so
+    all of them stop with the same line): the DCP .metadata readable, every .distcp file as long as the largest
+    offset + length it must hold, every rank's RNG state readable."""
+    latest = rundir.read_json(path)
+    if not isinstance(latest, dict) or not {"step", "checkpoint", "world_size", "config"} <= set(latest):
+        raise rundir.damaged(path, "not a train_fsdp.py latest.json: it needs step, checkpoint, world_size, config")
+    step_dir = os.path.join(os.path.dirname(path), latest["checkpoint"])
+
+    def read(name, reader):
+        file = os.path.join(step_dir, name)
+        if not os.path.isfile(file):
+            raise UserError(f"--resume: {file} is missing, so the sharded checkpoint {step_dir} is incomplete; start "
+                            f"again with --overwrite")
+        try:
+            return reader(file)
+        except Exception as e:  # a truncated pickle or zip: name the file, not where its reader failed
+            raise rundir.damaged(file, type(e).__name__) from None
+
+    # .metadata says, for every piece of every tensor, which file holds it, at which offset, how many bytes.
+    storage = read(".metadata", lambda _: dcp.FileSystemReader(step_dir).read_metadata().storage_data)
+    for rank in range(latest["world_size"]):
+        read(f"rng-rank{rank}.pt", lambda file: torch.load(file, weights_only=True))
+    needed = {}
+    for piece in storage.values():
+        needed[piece.relative_path] = max(needed.get(piece.relative_path, 0), piece.offset + piece.length)
+    for name, end in sorted(needed.items()):
+        size = read(name, os.path.getsize)
+        if size < end:
+            raise rundir.damaged(os.path.join(step_dir, name), f"truncated: its tensors end at byte {end:,}, the "
+                                                               f"file has {size:,}")
+
+
+# The run directory (lib/rundir.py). What a saved run is: the newest sharded checkpoint, which latest.json names
+# (the training state: step, config, the run's flags), and the exported model. The fixed flags make the run what
+# it is (the model, the data, the windows a step reads); the changeable ones may differ on --resume, and are
+# reported when they do. How the tensors are sharded is changeable too: DCP reshards on load.
+RUN = rundir.Spec(
+    saved={os.path.join(SHARDED, LATEST): check_shards, checkpoint.CONFIG: "json", checkpoint.WEIGHTS: "safetensors"},
+    optional=(checkpoint.CONFIG, checkpoint.WEIGHTS),  # the export: none with --no-export, or before the end
+    written=(rundir.METRICS, SHARDED),
+    state_file=os.path.join(SHARDED, LATEST),
+    fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
+           "batch_size", "grad_accum"),
+    changeable=("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+                "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "reshard_after_forward",
+                "cpu_offload", "activation_checkpointing", "export", "sample_tokens", "prompt", "temperature",
+                "top_k", "peak_flops"),
+    data=("data",),
+)
 
 
 def check_args(args):
@@ -151,14 +192,9 @@ def check_args(args):
         raise UserError("--dtype fp16 would need a sharded GradScaler (fp16 gradients underflow), which this script "
                         "leaves out; use --dtype bf16 on a GPU that has it, or fp32")
     devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
-    guards.check_output_dir(args.out_dir)
     guards.check_cache_dir(args.cache_dir)
-    if not args.estimate_memory:  # a run writes both; find out now whether it can
-        guards.make_output_dir(args.out_dir)
-        if args.init_from or not data.is_prepared(args.data):
-            guards.make_output_dir(args.cache_dir, "--cache-dir")
-        guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite,
-                                names=(*guards.CHECKPOINT_FILES, os.path.join(SHARDED, LATEST)))
+    if not args.estimate_memory and (args.init_from or not data.is_prepared(args.data)):
+        guards.make_output_dir(args.cache_dir, "--cache-dir")  # a run writes there; find out now whether it can
 
 
 def main(argv=None):
@@ -179,7 +215,8 @@ def join_process_group(device):
     needs a process group even when there is nobody to share with (an in-process store needs no port)."""
     info = distributed.setup(device.type)
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0, world_size=1)
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo", store=dist.HashStore(), rank=0,
+                                world_size=1)
     return info
 
 
@@ -273,7 +310,8 @@ def load_pretrained_shards(model, cfg, model_dir):
             checkpoint.check_state_dict(shapes, cfg, path)  # names and shapes first: a wrong file fails at once
             for name, p in model.named_parameters():  # the tied weight is listed once, as transformer.wte.weight
                 full = f.get_tensor(names[name])
-                full = (full.t() if name.endswith(gpt.CONV1D_NAMES) else full).to(p.device_mesh.device_type, torch.float32)
+                full = full.t() if name.endswith(gpt.CONV1D_NAMES) else full
+                full = full.to(p.device_mesh.device_type, torch.float32)
                 p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
                 del full
     except (SafetensorError, OSError) as e:
@@ -288,7 +326,8 @@ def check_finite_shards(model, step, last_finite, out_dir):
     dist.all_reduce(count, op=dist.ReduceOp.MAX)
     if count.item():
         raise UserError(f"weights are not finite at step {step} (e.g. {bad[0] if bad else 'on another rank'}); "
-                        f"nothing was saved, {guards.last_finite_text(last_finite, out_dir)}; lower --lr or check the data")
+                        f"nothing was saved, {guards.last_finite_text(last_finite, out_dir)}; lower --lr or check "
+                        f"the data")
 
 
 @torch.no_grad()
@@ -328,9 +367,11 @@ def memory_report(when, held, device):
     ranks = [None] * dist.get_world_size()
     dist.all_gather_object(ranks, mine)
     fb = metrics.format_bytes
-    lines = [f"memory per rank {when} (local DTensor shards; unsharded model in brackets; peak = {devices.memory_label(device)}):"]
+    lines = [f"memory per rank {when} (local DTensor shards; unsharded model in brackets; peak = "
+             f"{devices.memory_label(device)}):"]
     for r, m in enumerate(ranks):
-        cells = "  ".join(f"{k} {fb(m[k]):>10} [{fb(m[k + '_unsharded'])}]" for k in ("parameters", "gradients", "optimizer"))
+        cells = "  ".join(f"{k} {fb(m[k]):>10} [{fb(m[k + '_unsharded'])}]"
+                          for k in ("parameters", "gradients", "optimizer"))
         lines.append(f"  rank {r}: {cells}  peak {fb(m['peak'])}")
     return ranks, "\n".join(lines)
 
@@ -354,22 +395,15 @@ def evaluate(model, batches, n_batches, device):
     return total.item() / n_batches
 
 
-def read_latest(out_dir):
-    path = os.path.join(out_dir, SHARDED, LATEST)
-    if not os.path.isfile(path):
-        raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass the --out-dir of an "
-                        f"earlier train_fsdp.py run")
-    with open(path) as f:
-        return json.load(f)
-
-
-def save_sharded(out_dir, model, optimizer, step, cfg, args, first_val=None):
+def save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates):
     """Every rank writes its own shard of the weights and AdamW state (torch.distributed.checkpoint);
-    then rank 0 points latest.json at the new directory and removes the older ones.
+    then rank 0 points latest.json at the new directory and removes the older ones. step = the next step
+    to run. Shards holding NaN or inf are never saved: every rank stops, naming the last finite save.
 
     latest.json is written last and atomically, so a save cut short leaves the previous one in charge.
     """
-    root = os.path.join(out_dir, SHARDED)
+    root = os.path.join(run_dir.out_dir, SHARDED)
+    check_finite_shards(model, step, updates.last_saved, root)
     name = f"step-{step:06d}"
     path = os.path.join(root, name)
     if dist.get_rank() == 0 and os.path.isdir(path):
@@ -382,20 +416,22 @@ def save_sharded(out_dir, model, optimizer, step, cfg, args, first_val=None):
     torch.save(torch.get_rng_state(), os.path.join(path, f"rng-rank{dist.get_rank()}.pt"))
     dist.barrier()
     if dist.get_rank() == 0:
-        checkpoint.save_json(os.path.join(root, LATEST), {"step": step, "checkpoint": name,
-                                                          "world_size": dist.get_world_size(),
-                                                          "config": vars(cfg), "args": vars(args),
-                                                          "first_val_loss": first_val})
+        checkpoint.save_json(os.path.join(root, LATEST), {
+            "step": step, "checkpoint": name, "world_size": dist.get_world_size(), "config": vars(cfg),
+            "args": vars(args), "data_sha256": run_dir.fingerprints, "first_val_loss": first_val})
         for old in os.listdir(root):
             if old.startswith("step-") and old != name:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+    updates.saved(step)
 
 
-def load_sharded(out_dir, model, optimizer, latest):
-    """Each rank reads the slices it owns now; DCP reshards, so the saving run may have had another N."""
-    path = os.path.join(out_dir, SHARDED, latest["checkpoint"])
-    if not os.path.isfile(os.path.join(path, ".metadata")):
-        raise UserError(f"{path} is incomplete (no .metadata); the save was interrupted, start again without --resume")
+def load_sharded(args, model, optimizer, latest, log):
+    """Each rank reads the slices it owns now; DCP reshards, so the saving run may have had another N.
+    Returns (the step to continue from, the run's first validation loss)."""
+    if args.steps < latest["step"]:
+        raise UserError(f"--resume: {args.out_dir} is already at step {latest['step']}; pass --steps "
+                        f"{latest['step']} or more")
+    path = os.path.join(args.out_dir, SHARDED, latest["checkpoint"])
     model_sd, optim_sd = get_state_dict(model, optimizer)
     del model_sd[TIED]
     state = {"model": model_sd, "optimizer": optim_sd}
@@ -405,6 +441,9 @@ def load_sharded(out_dir, model, optimizer, latest):
     rng = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
     if os.path.isfile(rng):
         torch.set_rng_state(torch.load(rng, weights_only=True))
+    log(f"resuming from step {latest['step']} in {args.out_dir} (saved by {latest['world_size']} ranks)" +
+        ("" if args.steps > latest["step"] else f"; it already ran its --steps {args.steps}, pass a larger --steps"))
+    return latest["step"], latest.get("first_val_loss")
 
 
 def export_hf(out_dir, model, cfg, step):
@@ -418,21 +457,34 @@ def export_hf(out_dir, model, cfg, step):
     dist.barrier()
 
 
+def print_estimate(cfg, n_params, block_size, estimate, args, mesh, mp_dtype, device, log):
+    """--estimate-memory: the per-rank estimate beside the unsharded (DDP) one, and each rank's parameter count
+    from a meta model sharded for real (FSDP's counts, padding included, with no memory used)."""
+    world = mesh.size()
+    sharded = build_sharded_model(cfg, mesh, args, mp_dtype, offload=False)
+    counts = [None] * world
+    dist.all_gather_object(counts, sum(local(p).numel() for p in sharded.parameters()))
+    unsharded = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type,
+                                             mp_dtype is not None, checkpointing=args.activation_checkpointing)
+    log("parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
+        + f" (of {n_params:,}; {n_params / world:,.0f} = 1/{world} each)")
+    log(memory.format_columns({f"FSDP2, 1 of {world}": estimate, "DDP / unsharded": unsharded},
+                              f"memory estimate per rank (lib/memory.py, batch {args.batch_size} x {block_size}, "
+                              f"{'bf16' if mp_dtype else 'fp32'}):"))
+    log("activations and logits belong to each rank's own micro-batch and are never sharded: lower "
+        "--batch-size, add --activation-checkpointing (and --mixed-precision bf16 on a GPU) to shrink them")
+    return {"estimate": estimate, "unsharded": unsharded, "params_per_rank": counts, "n_params": n_params}
+
+
 def run(args, parser, argv):
     # --- checks before any work -------------------------------------------------------------------
     check_args(args)
-    latest = read_latest(args.out_dir) if args.resume else None
-    if latest is not None:
-        saved_args = latest.get("args", {})
-        given = guards.explicit_flags(args, parser, argv)
-        for key in RESUME_CHANGEABLE:  # not given: as the saved run had it (the device is this machine's)
-            if key not in given and key in saved_args and key != "device":
-                setattr(args, key, saved_args[key])
-        guards.check_resume_flags(saved_args, args, parser, RESUME_FIXED, RESUME_CHANGEABLE,
-                                  log=print if int(os.environ.get("RANK", 0)) == 0 else (lambda *a: None), argv=argv)
-        for key in RESUME_FIXED:  # not given: the saved run's value, so the run continues exactly
-            if key in saved_args:
-                setattr(args, key, saved_args[key])
+    # The run directory: a saved run is never replaced without --overwrite; --resume validates latest.json and
+    # every shard file it names, and takes the saved run's flags (lib/rundir.py). Every rank checks.
+    main_rank = int(os.environ.get("RANK", 0)) == 0
+    run_dir = rundir.prepare(args, parser, argv, RUN, log=print if main_rank else (lambda *a: None),
+                             writes=not args.estimate_memory)
+    latest = run_dir.state  # sharded/latest.json of the run being resumed, or None
 
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)
@@ -450,32 +502,11 @@ def run(args, parser, argv):
         raise UserError(f"--cpu-offload moves shards from GPU memory to host RAM, but the device is {device.type} "
                         f"(already host memory); drop --cpu-offload or run on CUDA")
 
-    # --- model configuration --------------------------------------------------------------------
-    # Only config.json is read here: the memory check below comes before any weight is read or downloaded.
-    if latest is not None:
-        cfg = gpt.GPTConfig(**latest["config"])
-    elif args.init_from:
-        model_dir = distributed.local_rank_0_first(dist_info, lambda: hub.resolve_pretrained(
-            args.init_from, args.cache_dir, ("config.json",), log=log))  # one download per machine
-        cfg = checkpoint.load_config(model_dir)
-        cfg.dropout = args.dropout
-        checkpoint.check_shape_flags(cfg, args, guards.explicit_flags(args, parser, argv))
-    else:
-        shape = dict(gpt.MODEL_SIZES[args.model_size])
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
-            if getattr(args, key) is not None:
-                shape[key] = getattr(args, key)
-        if shape["n_embd"] % shape["n_head"]:
-            raise UserError(f"--n-embd {shape['n_embd']} is not divisible by --n-head {shape['n_head']}")
-        cfg = gpt.GPTConfig(**shape, dropout=args.dropout)
-    block_size = args.block_size or cfg.block_size
-    if block_size > cfg.block_size:
-        raise UserError(f"--block-size {block_size} exceeds the model's {cfg.block_size} positions; use at most {cfg.block_size}")
-    if cfg.vocab_size < tokenizer.VOCAB_SIZE:
-        raise UserError(f"vocabulary mismatch: the checkpoint has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer "
-                        f"needs {tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
-    # Record the shape the run really has, so a later --resume compares against it.
-    args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, block_size
+    # --- model configuration and memory -------------------------------------------------------------
+    if latest is not None:  # the resumed run's shape, from latest.json (its export may not be written yet)
+        cfg, block_size = gpt.GPTConfig(**latest["config"]), args.block_size
+    else:  # train.py's rules: --model-size and the shape flags, or a pretrained GPT-2's config.json only
+        cfg, block_size = train.model_config(args, parser, argv, dist_info, log)
     with torch.device("meta"):
         n_params = gpt.GPT(cfg).num_params()  # the tied wte/lm_head weight counted once
     tokens_per_step = args.batch_size * block_size * args.grad_accum * world
@@ -483,26 +514,14 @@ def run(args, parser, argv):
         f"FSDP2 over {world} rank{'s' if world > 1 else ''} ({device.type}, {dist.get_backend()}), "
         f"{'bf16 compute, fp32 reduce' if mp_dtype else 'fp32'}, "
         f"{'ZeRO-3 (reshard after forward)' if args.reshard_after_forward else 'ZeRO-2 (no reshard after forward)'}"
-        f"{', CPU offload' if args.cpu_offload else ''}{', activation checkpointing' if args.activation_checkpointing else ''}; "
+        f"{', CPU offload' if args.cpu_offload else ''}"
+        f"{', activation checkpointing' if args.activation_checkpointing else ''}; "
         f"{tokens_per_step:,} tokens per step")
     estimate = memory.estimate_fsdp_training(cfg, n_params, args.batch_size, block_size, world, device.type,
                                              mp_dtype is not None, args.reshard_after_forward, args.grad_accum,
                                              args.activation_checkpointing)
     if args.estimate_memory:
-        # Shard the meta model for real: the per-rank counts are FSDP's, padding included, with no memory used.
-        sharded = build_sharded_model(cfg, mesh, args, mp_dtype, offload=False)
-        counts = [None] * world
-        dist.all_gather_object(counts, sum(local(p).numel() for p in sharded.parameters()))
-        unsharded = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type,
-                                                 mp_dtype is not None, checkpointing=args.activation_checkpointing)
-        log("parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
-            + f" (of {n_params:,}; {n_params / world:,.0f} = 1/{world} each)")
-        log(memory.format_columns({f"FSDP2, 1 of {world}": estimate, "DDP / unsharded": unsharded},
-                                  f"memory estimate per rank (lib/memory.py, batch {args.batch_size} x {block_size}, "
-                                  f"{'bf16' if mp_dtype else 'fp32'}):"))
-        log("activations and logits belong to each rank's own micro-batch and are never sharded: lower "
-            "--batch-size, add --activation-checkpointing (and --mixed-precision bf16 on a GPU) to shrink them")
-        return {"estimate": estimate, "unsharded": unsharded, "params_per_rank": counts, "n_params": n_params}
+        return print_estimate(cfg, n_params, block_size, estimate, args, mesh, mp_dtype, device, log)
     # On a CPU the ranks of one machine share its RAM.
     per_machine = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cpu" else 1
     guards.check_memory(sum(estimate.values()) * per_machine, device, args.force,
@@ -510,12 +529,8 @@ def run(args, parser, argv):
                         "or pick a smaller model")
 
     # --- data -------------------------------------------------------------------------------------
-    # Rank 0 tokenises (once, cached); the others wait and then find the cache.
-    if is_main:
-        data_dir = data.prepare(args.data, args.cache_dir, log=log)
-    dist.barrier()
-    if not is_main:
-        data_dir = data.prepare(args.data, args.cache_dir, log=log)
+    # One process per machine tokenises (once, cached); the others wait and then find the cache.
+    data_dir = distributed.local_rank_0_first(dist_info, lambda: data.prepare(args.data, args.cache_dir, log=log))
     # Rank r takes slice [micro, r] of each step's windows: N ranks see what one process sees with N x --grad-accum.
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, rank, world, seed=args.seed)
@@ -540,22 +555,13 @@ def run(args, parser, argv):
     optimizer = optim.make_adamw(model.parameters(), args.lr, args.weight_decay, (args.beta1, args.beta2),
                                  "cpu" if args.cpu_offload else device.type)
     start_step, first_val = 0, None
-    if latest is not None:
-        if args.steps < latest["step"]:
-            raise UserError(f"--resume: {args.out_dir} is already at step {latest['step']}; pass --steps {latest['step']} or more")
-        load_sharded(args.out_dir, model, optimizer, latest)
-        start_step, first_val = latest["step"], latest.get("first_val_loss")
-        check_finite_shards(model, start_step, None, args.out_dir)
-        log(f"resuming from step {start_step} in {args.out_dir} (saved by {latest['world_size']} ranks)" +
-            ("" if args.steps > start_step else f"; it already ran its --steps {args.steps}, pass a larger --steps"))
+    if latest is not None:  # each rank reads the slices of the weights and AdamW moments it owns now
+        start_step, first_val = load_sharded(args, model, optimizer, latest, log)
     _, text = memory_report("at start", held_bytes(model, optimizer), device)
     log(text)
 
     # --- training loop ----------------------------------------------------------------------------
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    if is_main:
-        guards.start_metrics(metrics_path, args.resume)  # a fresh run starts a fresh log
-    metrics_log = metrics.MetricsLog(metrics_path, enabled=is_main)
+    metrics_log = rundir.begin(run_dir, args, is_main)  # the first write; --overwrite clears only now
     metrics_log.log(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
                     n_params=n_params, params_per_rank=params_per_rank, config=vars(cfg), args=vars(args))
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
@@ -565,10 +571,12 @@ def run(args, parser, argv):
     # the collective save together instead of one leaving while the others wait in an all-gather.
     stop = {"requested": False}
     previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))
-    step, last_saved = start_step, start_step
-    last_finite = start_step if latest is not None else None  # only finite weights are ever saved
+    # next_step is what a checkpoint records: it moves only once the step's update has been applied.
+    next_step = start_step
+    # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
+    updates = rundir.Updates(os.path.join(args.out_dir, SHARDED), last_saved=start_step if run_dir.resumed else None)
     held = held_bytes(model, optimizer)
-    val_loss, skipped_in_a_row = None, 0
+    val_loss = None
     timed_tokens, timed_seconds = 0, 0.0
     try:
         for step in range(start_step, args.steps):
@@ -594,10 +602,7 @@ def run(args, parser, argv):
                 loss.backward()
                 loss_sum += loss.detach()
             loss_value = distributed.all_reduce_mean(loss_sum, dist_info).item()
-            if not math.isfinite(loss_value):
-                raise UserError(f"loss became {loss_value} at step {step}; stopped before the update, "
-                                f"{guards.last_finite_text(last_finite, args.out_dir + '/' + SHARDED)}; "
-                                f"lower --lr or check the data")
+            updates.check_loss(step, loss_value)
             # The gradients are DTensors: the norm of each local slice is summed over ranks inside.
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf"))
             grad_norm = (grad_norm.full_tensor() if isinstance(grad_norm, DTensor) else grad_norm).item()
@@ -606,21 +611,17 @@ def run(args, parser, argv):
             skipped = not math.isfinite(grad_norm)
             if not skipped:
                 optimizer.step()
-            skipped_in_a_row = skipped_in_a_row + 1 if skipped else 0
-            if skipped:
-                log(f"step {step}: gradient norm {grad_norm}, update skipped")
-            if skipped_in_a_row >= MAX_SKIPPED:
-                raise UserError(f"the gradient norm was not finite for {MAX_SKIPPED} steps in a row (steps "
-                                f"{step - MAX_SKIPPED + 1} to {step}); stopped, "
-                                f"{guards.last_finite_text(last_finite, args.out_dir + '/' + SHARDED)}; "
-                                f"lower --lr or check the data")
             if step == args.steps - 1:
                 held = held_bytes(model, optimizer)  # the only moment gradients and AdamW state both exist
             optimizer.zero_grad(set_to_none=True)
+            next_step = step + 1
             speed.add(tokens_per_step)
             if step > start_step:  # the first step pays for warm-up; leave it out of the average
                 timed_tokens += tokens_per_step
                 timed_seconds += time.perf_counter() - t0
+            if skipped:
+                log(f"step {step}: gradient norm {grad_norm}, update skipped")
+            updates.record(step, skipped)  # stops after 10 skipped in a row
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if skipped:
@@ -634,36 +635,30 @@ def run(args, parser, argv):
                 log(metrics.progress_line(step, args.steps, loss_value, lr, tok_s, mfu, mem, eta, " (rank 0)"))
             metrics_log.log(**record)
 
-            flag = torch.tensor(float(stop["requested"]), device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if flag.item():
-                raise KeyboardInterrupt
-            if (step + 1) % args.save_interval == 0 and step + 1 < args.steps:
-                check_finite_shards(model, step + 1, last_finite, args.out_dir + "/" + SHARDED)
-                save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args, first_val)
-                last_saved = last_finite = step + 1
-        step = args.steps
-    except KeyboardInterrupt:
-        # Raised only after a finished step that every rank agreed on, so step + 1 is the next to run.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # torchrun forwards a second SIGINT; finish the save
-        check_finite_shards(model, step + 1, last_finite, args.out_dir + "/" + SHARDED)
-        save_sharded(args.out_dir, model, optimizer, step + 1, cfg, args, first_val)
-        log(f"\ninterrupted: saved step {step + 1} to {args.out_dir}/{SHARDED}; continue with --resume", file=sys.stderr)
-        dist.barrier()
-        dist.destroy_process_group()
-        distributed.exit_interrupted()  # 130; torchrun itself still ends with its SignalException line
+            stop_now = torch.tensor(float(stop["requested"]), device=device)
+            dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank learns whether any rank saw Ctrl-C
+            if stop_now.item():
+                raise KeyboardInterrupt  # on every rank, after the same finished step
+            if next_step % args.save_interval == 0 and next_step < args.steps:
+                save_sharded(run_dir, model, optimizer, next_step, cfg, args, first_val, updates)
+    except KeyboardInterrupt:  # save exactly the updates made so far (collectively), then exit 130
+        rundir.save_on_interrupt(lambda: save_sharded(run_dir, model, optimizer, next_step, cfg, args, first_val,
+                                                      updates), next_step, args.out_dir, is_main,
+                                 cleanup=lambda: distributed.cleanup(dist_info))
     finally:
         signal.signal(signal.SIGINT, previous_handler)
+    step = next_step
+    updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 
     # --- save -------------------------------------------------------------------------------------
     if args.steps > start_step or not args.resume:
         val_loss = evaluate(model, val_batches, args.eval_batches, device)
         log(f"step {step}: val loss {val_loss:.4f}" + (f" (started at {first_val:.4f})" if first_val else ""))
         metrics_log.log(step=step, val_loss=val_loss)
-    check_finite_shards(model, step, last_finite, args.out_dir + "/" + SHARDED)
-    if step > last_saved or latest is None:
-        save_sharded(args.out_dir, model, optimizer, step, cfg, args, first_val)
-        log(f"saved sharded checkpoint {args.out_dir}/{SHARDED}/step-{step:06d} ({world} shard file{'s' if world > 1 else ''})")
+    if updates.last_saved != step:
+        save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates)
+        log(f"saved sharded checkpoint {args.out_dir}/{SHARDED}/step-{step:06d} ({world} shard file"
+            f"{'s' if world > 1 else ''})")
     if args.export:
         export_hf(args.out_dir, model, cfg, step)
         log(f"exported {args.out_dir}/{checkpoint.CONFIG} and {checkpoint.WEIGHTS} (Hugging Face GPT-2 layout)")

@@ -22,6 +22,7 @@ imported, not copied. What this file adds, in reading order:
 - out of memory: stop, keep the last checkpoint, name the flags to try.
 """
 
+import dataclasses
 import gc
 import os
 import sys
@@ -29,7 +30,7 @@ import sys
 import torch
 
 import train_splade_unified as unified
-from lib import checkpoint, guards, metrics, optim
+from lib import checkpoint, guards, metrics, optim, rundir
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -56,17 +57,28 @@ def build_parser():
     return p
 
 
+# The run directory: the unified script's, and these flags may change on --resume (--force-device is
+# about this invocation only).
+RUN = dataclasses.replace(unified.RUN, local=(*unified.RUN.local, "force_device"), changeable=(
+    *unified.RUN.changeable, "memory_tracking", "memory_tracking_interval", "memory_efficient", "mixed_precision"))
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:
+        unified.steady_cpu_heap()
     try:
         if args.search or args.query:
             return unified.search_cli(args)
-        return run(args, parser, argv)
+        run_dir = rundir.prepare(args, parser, sys.argv[1:] if argv is None else list(argv), RUN,
+                                 writes=not args.estimate_memory)  # first: --resume takes the saved run's flags
+        return run(args, run_dir)
     except UserError as e:
         report_and_exit(e)
     except KeyboardInterrupt:  # outside the training loop, which saves on its own Ctrl-C
-        print("\ninterrupted outside the training loop: nothing more was saved (what --output-dir holds is kept)", file=sys.stderr)
+        print("\ninterrupted outside the training loop: nothing more was saved (what --output-dir holds is kept)",
+              file=sys.stderr)
         sys.exit(130)
 
 
@@ -230,10 +242,15 @@ def is_out_of_memory(err):
 
 
 def out_of_memory_advice(args, device):
-    path = os.path.join(args.out_dir, checkpoint.WEIGHTS)
+    path = os.path.join(args.output_dir, checkpoint.WEIGHTS)
     step = checkpoint.weights_step(path) if os.path.isfile(path) else None
-    kept = (f"the last checkpoint (step {step}) in {args.out_dir} is kept, continue with --resume" if step is not None
-            else "no checkpoint was saved yet")
+    kept = ("no checkpoint was saved yet" if step is None else
+            f"the last checkpoint (step {step}) in {args.output_dir} is kept, continue with --resume")
+    return f"out of memory on {device}; {kept}; try {memory_advice(args, device)}"
+
+
+def memory_advice(args, device):
+    """The flags that make a step fit, cheapest first: the same result in smaller pieces, then less memory."""
     tries = [f"--batch-size {max(1, args.batch_size // 2)} --gradient-accumulation-steps {args.grad_accum * 2} "
              f"(the same result with GradCache)"]
     if not args.memory_efficient:
@@ -242,11 +259,11 @@ def out_of_memory_advice(args, device):
         tries.append("--mixed-precision")
     if args.max_length > 64:
         tries.append(f"--max-length {args.max_length // 2}")
-    return f"out of memory on {device}; {kept}; try {', '.join(tries)}"
+    return ", ".join(tries)
 
 
 # --- run: the unified training with this file's choices ---------------------------------------------
-def run(args, parser=None, argv=None):
+def run(args, run_dir):
     device = choose_device(args.device, args.force_device)
     amp = choose_amp(device, args)
     offload = args.memory_efficient and device.type != "cpu" and amp != torch.float16  # GradScaler needs the real optimizer
@@ -259,9 +276,10 @@ def run(args, parser=None, argv=None):
         after_step=make_after_step(args, device) if args.memory_efficient or args.memory_tracking else None,
         estimate_kwargs=dict(checkpointing=args.memory_efficient, optimizer_on_cpu=offload,
                              cached_batch=args.batch_size * args.grad_accum if args.grad_accum > 1 else 0),
+        memory_hint=f"try {memory_advice(args, device)}",
     )
     try:
-        result = unified.run(args, parser, argv, variant)
+        result = unified.run(args, run_dir, variant)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
             raise

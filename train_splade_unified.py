@@ -12,10 +12,17 @@ it does not contain: "expansion") and search is an inverted index, as in a class
 Training is contrastive: each query must score its positive document above its hard negative(s)
 and every other document in the batch, while a FLOPS penalty keeps the vectors sparse.
 
-Read top to bottom: arguments, data, the SPLADE loss, encoding and search, validation, memory
-estimate, save, then run(): device, data, model, optimiser, training loop, save, report.
-train_splade_optimized.py imports this file and adds exact gradient accumulation (GradCache),
-device forcing, memory tracking, memory-efficient mode and mixed precision.
+Read top to bottom: arguments and the run directory, data, the SPLADE loss, encoding and search,
+validation, memory estimate, save, then run(), the recipe in its stages: device, model, data,
+optimiser, training loop, save, index, report. train_splade_optimized.py imports this file and adds
+exact gradient accumulation (GradCache), device forcing, memory tracking, memory-efficient mode and
+mixed precision.
+
+Nothing saved is lost (lib/rundir.py, the run contract every script shares): a fresh run refuses an
+--output-dir holding a saved run (--resume or --overwrite), and --overwrite removes nothing until
+every check has passed; --resume validates every saved file, keeps the saved run's flags and refuses
+contradicting ones; an update with a non-finite gradient is skipped, ten in a row stop the run, and
+non-finite weights are never saved; Ctrl-C saves and exits 130.
 
 From Python, once a run has saved OUT (or with any Hugging Face SPLADE checkpoint):
 
@@ -33,14 +40,13 @@ not a competitive retriever. Explained with this repo's numbers in docs/splade_e
 
 import argparse
 import ast
+import ctypes
 import dataclasses
 import hashlib
 import json
 import math
 import os
 import random
-import shutil
-import signal
 import sys
 import textwrap
 import time
@@ -52,14 +58,14 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lib import bert, checkpoint, guards, hub, metrics, optim, wordpiece
+from lib import bert, checkpoint, guards, metrics, optim, rundir, wordpiece
 from lib import data as stdlib_data
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
 OUT_DIR = "out/train_splade_unified"
 METRICS = ("mrr@10", "recall@10", "recall@100", "ndcg@10")
-INDEX_FILE, DOCUMENTS_FILE = "index.safetensors", "documents.json"
+INDEX_FILE, DOCUMENTS_FILE, INDEX_FORMAT = "index.safetensors", "documents.json", "byhand-splade-index-v1"
 # The embedded default: how many docstring -> code pairs, and how much of each function is kept.
 STDLIB_TRAIN, STDLIB_VAL, STDLIB_MAX_LINES, STDLIB_VAL_PERCENT = 1600, 400, 24, 20
 
@@ -122,7 +128,7 @@ def build_parser(description=None, out_dir=OUT_DIR):
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
     g.add_argument("--seed", type=int, default=42, help="seeds weights, data order, negatives and dropout")
-    g.add_argument("--output-dir", "--out-dir", dest="out_dir", default=out_dir,
+    g.add_argument("--output-dir", "--out-dir", dest="output_dir", default=out_dir,
                    help="the model (Hugging Face masked-LM layout), training state, metrics.jsonl and search index")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --output-dir")
     g.add_argument("--save-interval", type=guards.nonneg_int, default=0,
@@ -140,17 +146,94 @@ def build_parser(description=None, out_dir=OUT_DIR):
     return p
 
 
+# --- the run directory (lib/rundir.py) ---------------------------------------------------------
+# What a saved run holds, and which flags --resume may change. The fixed flags make the run what it
+# is (the data, the model's shape and vocabulary, the batches a step reads): given again they must
+# match, and not given they take the saved values, so that resuming is exact. A data file that moved
+# may be given again when its contents are the same. Every saved file is checked before anything is
+# written; the checks below catch what a truncated file would otherwise only show as a traceback.
+def check_vocab(path):
+    """vocab.txt has as many entries as the vocabulary of the tokenizer.json beside it."""
+    beside = os.path.join(os.path.dirname(path), "tokenizer.json")
+    want = len(rundir.read_json(beside)["model"]["vocab"]) if os.path.exists(beside) else None
+    with open(path, encoding="utf-8", errors="replace") as f:
+        have = sum(1 for _ in f)
+    if want is not None and have != want:
+        raise rundir.damaged(path, f"{have:,} entries, but the tokenizer.json beside it has {want:,}")
+
+
+def check_index(path):
+    if rundir.safetensors_metadata(path).get("format") != INDEX_FORMAT:
+        raise rundir.damaged(path, f"not a SPLADE index ({INDEX_FORMAT})")
+
+
+def check_documents(path):
+    """documents.json: the indexed texts, as many as index.safetensors beside it indexes."""
+    documents = rundir.read_json(path)
+    if not isinstance(documents, list) or not all(isinstance(d, str) for d in documents):
+        raise rundir.damaged(path, "not a JSON list of document texts")
+    index = os.path.join(os.path.dirname(path), INDEX_FILE)
+    n_docs = rundir.safetensors_metadata(index).get("n_docs") if os.path.exists(index) else None
+    if n_docs is not None and int(n_docs) != len(documents):
+        raise rundir.damaged(path, f"{len(documents):,} documents, but {INDEX_FILE} indexes {int(n_docs):,}")
+
+
+MODEL_FILES = {bert.CONFIG: "json", bert.SAFETENSORS: "safetensors", "tokenizer.json": "json", "vocab.txt": check_vocab,
+               "tokenizer_config.json": "json", "special_tokens_map.json": "json"}
+RUN = rundir.Spec(
+    saved={**MODEL_FILES, rundir.STATE: "state", **{f"best/{name}": check for name, check in MODEL_FILES.items()},
+           INDEX_FILE: check_index, DOCUMENTS_FILE: check_documents},
+    # A tokenizer is tokenizer.json or vocab.txt (runs saved before tokenizer.json was written have only
+    # vocab.txt; a vocabulary with gaps has no vocab.txt): check_model_dir insists on one of them.
+    optional=("tokenizer.json", "vocab.txt", *(f"best/{name}" for name in MODEL_FILES), INDEX_FILE, DOCUMENTS_FILE),
+    written=(rundir.METRICS, "best"),
+    same_step=(bert.SAFETENSORS,),
+    fixed=("train_file", "val_file", "model_name", "vocab_size", "hidden_size", "num_layers", "num_heads", "dropout",
+           "max_length", "max_query_length", "negatives_per_query", "batch_size", "grad_accum", "seed",
+           "early_stopping_monitor"),
+    changeable=("lr", "epochs", "steps", "warmup_steps", "weight_decay", "grad_clip", "lambda_q", "lambda_d",
+                "reg_warmup_steps", "early_stopping", "early_stopping_patience", "early_stopping_min_delta",
+                "save_best_only", "eval_batch_size", "dtype", "save_interval", "log_interval", "index"),
+    data=("train_file", "val_file"),
+    local=("search", "query", "top_k"),
+    out_flag="--output-dir",
+)
+
+
+def steady_cpu_heap():
+    """Linux (glibc): hand freed blocks of 1 MiB or more back to the system at once.
+
+    By default glibc keeps freed blocks of up to 32 MiB in its heap for reuse. Every SPLADE batch is
+    padded to its own longest text, so the [tokens, vocabulary] tensors change size every step, rarely
+    fit the blocks freed before, and the resident set creeps up: to 1.4-2x what a step needs within a
+    few hundred steps (docs/splade_explained.md, section 5). With the threshold fixed the peak stays at
+    what a step needs, for a few percent more system time. Command-line runs only (main() without
+    argv): a program that imports this file keeps its own allocator settings.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL(None).mallopt(-3, 1 << 20)  # -3: M_MMAP_THRESHOLD
+        except (OSError, AttributeError):
+            pass  # not glibc: nothing to set
+
+
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
+    if argv is None:
+        steady_cpu_heap()
     try:
         if args.search or args.query:
             return search_cli(args)
-        return run(args, parser, argv)
+        # The run directory first, before anything reads the flags: --resume takes the saved run's.
+        run_dir = rundir.prepare(args, parser, sys.argv[1:] if argv is None else list(argv), RUN,
+                                 writes=not args.estimate_memory)
+        return run(args, run_dir)
     except UserError as e:
         report_and_exit(e)
     except KeyboardInterrupt:  # outside the training loop, which saves on its own Ctrl-C
-        print("\ninterrupted outside the training loop: nothing more was saved (what --output-dir holds is kept)", file=sys.stderr)
+        print("\ninterrupted outside the training loop: nothing more was saved (what --output-dir holds is kept)",
+              file=sys.stderr)
         sys.exit(130)
 
 
@@ -221,7 +304,7 @@ def _json_records(path, text):
     return records, len(text)
 
 
-def read_examples(path, flag, need_negatives):
+def read_examples(path, flag, need_negatives, log=print):
     """The original trainer's format -> [Example]; any problem is one UserError naming file, record, field."""
     if not os.path.isfile(path):
         raise UserError(f"{flag} {path} does not exist or is not a file; pass a JSON or JSONL file of training records")
@@ -230,6 +313,9 @@ def read_examples(path, flag, need_negatives):
             text = f.read()
     except UnicodeDecodeError as e:
         raise UserError(f"{path} is not UTF-8 text (byte {e.start}); save it as UTF-8") from None
+    if text.startswith("\ufeff"):  # Windows editors write a byte-order mark; JSON has no place for one
+        text = text[1:]
+        log(f"note: {flag} {path} starts with a UTF-8 byte-order mark (BOM); it was skipped")
     records, end = _json_records(path, text)
     if end < len(text):
         line, col = _line_col(text, end)
@@ -399,9 +485,15 @@ def splade_max(logits, attention_mask):
 
     log(1 + ReLU(x)) never decreases as x grows, so the max can be taken over the raw logits first
     and the activation applied to the [B, V] result: the same weights and gradients, without two
-    more [B, T, V] tensors kept for backward (the logits are by far the largest activation).
+    more [B, T, V] tensors kept for backward (the logits are by far the largest activation). Under
+    torch.no_grad (encoding for search) no backward needs the raw logits: they are masked in place,
+    one [B, T, V] tensor less.
     """
-    logits = logits.float().masked_fill(attention_mask.unsqueeze(-1) == 0, float("-inf"))
+    logits, padding = logits.float(), attention_mask.unsqueeze(-1) == 0
+    if torch.is_grad_enabled():
+        logits = logits.masked_fill(padding, float("-inf"))
+    else:
+        logits.masked_fill_(padding, float("-inf"))
     return torch.log1p(torch.relu(logits.amax(dim=1)))
 
 
@@ -473,26 +565,33 @@ def naive_step(model, micro_batches, lam_q, lam_d, amp, scaler):
 
 # --- encoding and search ------------------------------------------------------------------------
 @torch.no_grad()
-def encode(model, tokenizer, texts, max_length=256, batch_size=64, amp=None):
-    """SPLADE weights of each text: a float tensor [len(texts), vocab_size] on the CPU."""
+def encode_batches(model, tokenizer, texts, max_length=256, batch_size=64, amp=None):
+    """SPLADE weights of the texts, batch_size at a time: float tensors [rows, vocab_size] on the CPU.
+    A collection is indexed batch by batch (build_index), so its dense [texts, vocab] never exists."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device
-    out = []
-    for start in range(0, len(texts), batch_size):
-        rows = [tokenizer.encode(t, max_length=max_length) for t in texts[start:start + batch_size]]
-        ids, mask = pad(rows, tokenizer.pad_id)
-        out.append(encode_batch(model, ids.to(device), mask.to(device), amp).float().cpu())
-    model.train(was_training)
-    return torch.cat(out) if out else torch.zeros(0, tokenizer.vocab_size)
+    try:
+        for start in range(0, len(texts), batch_size):
+            rows = [tokenizer.encode(t, max_length=max_length) for t in texts[start:start + batch_size]]
+            ids, mask = pad(rows, tokenizer.pad_id)
+            yield encode_batch(model, ids.to(device), mask.to(device), amp).float().cpu()
+    finally:
+        model.train(was_training)
+
+
+def encode(model, tokenizer, texts, max_length=256, batch_size=64, amp=None):
+    """SPLADE weights of each text: a float tensor [len(texts), vocab_size] on the CPU."""
+    reps = list(encode_batches(model, tokenizer, texts, max_length, batch_size, amp))
+    return torch.cat(reps) if reps else torch.zeros(0, tokenizer.vocab_size)
 
 
 def load_model_and_tokenizer(name_or_dir, cache_dir=None, log=print):
     """(model, cfg, tokenizer) from a BERT/DistilBERT masked-LM directory or hub id (lib/bert.py, lib/wordpiece.py)."""
     model, cfg, model_dir = bert.load_pretrained(name_or_dir, cache_dir=cache_dir, log=log)
-    tokenizer = wordpiece.load_wordpiece(model_dir)
+    tokenizer = wordpiece.load_tokenizer(model_dir, log=log)
     if tokenizer.vocab_size > cfg.vocab_size:
-        raise UserError(f"{model_dir}: vocab.txt has {tokenizer.vocab_size} entries but the model only "
+        raise UserError(f"{tokenizer.where} has {tokenizer.vocab_size} entries but the model only "
                         f"{cfg.vocab_size}; the tokenizer does not belong to this model")
     return model, cfg, tokenizer
 
@@ -537,13 +636,21 @@ def build_index(doc_reps):
 
     Stored as a CSR matrix [vocab, n_docs] (term-major): term_ptr[t]:term_ptr[t + 1] is term t's
     posting list in doc_ids / weights. A query touches only the posting lists of its own terms.
+    doc_reps: a [n_docs, vocab] tensor, or its rows in blocks (encode_batches), of which only the
+    nonzero entries are kept.
     """
-    nz = doc_reps.nonzero()  # (doc, term) pairs, in doc order
-    docs, terms = nz[:, 0], nz[:, 1]
-    order = torch.argsort(terms * len(doc_reps) + docs)
-    counts = torch.bincount(terms, minlength=doc_reps.shape[1])
+    docs, terms, weights, n_docs = [], [], [], 0
+    for block in [doc_reps] if torch.is_tensor(doc_reps) else doc_reps:
+        nz = block.nonzero()  # (doc, term) pairs, in doc order
+        docs.append(nz[:, 0] + n_docs)
+        terms.append(nz[:, 1])
+        weights.append(block[nz[:, 0], nz[:, 1]].float())
+        n_docs, vocab = n_docs + len(block), block.shape[1]
+    docs, terms, weights = torch.cat(docs), torch.cat(terms), torch.cat(weights)
+    order = torch.argsort(terms * n_docs + docs)
+    counts = torch.bincount(terms, minlength=vocab)
     term_ptr = torch.cat([torch.zeros(1, dtype=torch.long), counts.cumsum(0)])
-    return {"term_ptr": term_ptr, "doc_ids": docs[order], "weights": doc_reps[docs, terms][order].float()}
+    return {"term_ptr": term_ptr, "doc_ids": docs[order], "weights": weights[order]}
 
 
 def score(index, q_reps, n_docs):
@@ -555,24 +662,25 @@ def score(index, q_reps, n_docs):
         return q_reps.float() @ inverted  # each query weight times its term's posting list, summed per document
 
 
-def save_index(out_dir, index, documents):
+def save_index(out_dir, index, documents, step):
     tensors = {k: v.contiguous() for k, v in index.items()}
-    meta = {"format": "byhand-splade-index-v1", "n_docs": str(len(documents))}
+    meta = {"format": INDEX_FORMAT, "n_docs": str(len(documents)), "step": str(step)}
     checkpoint.atomic_write(os.path.join(out_dir, INDEX_FILE), lambda tmp: save_file(tensors, tmp, metadata=meta))
-    checkpoint.atomic_write(os.path.join(out_dir, DOCUMENTS_FILE),
-                            lambda tmp: open(tmp, "w", encoding="utf-8").write(json.dumps(documents)))
+    checkpoint.save_json(os.path.join(out_dir, DOCUMENTS_FILE), documents)
 
 
 def load_index(out_dir):
-    path = os.path.join(out_dir, INDEX_FILE)
-    if not os.path.isfile(path):
-        raise UserError(f"--search {out_dir}: {INDEX_FILE} is missing; it is written at the end of a training run "
-                        f"(not with --index none)")
-    with safe_open(path, framework="pt") as f:
+    """(index, documents, the step of the model that built it); a missing or damaged file is one line."""
+    for name, check in ((INDEX_FILE, check_index), (DOCUMENTS_FILE, check_documents)):
+        path = os.path.join(out_dir, name)
+        if not os.path.isfile(path):
+            raise UserError(f"--search {out_dir}: {name} is missing; it is written at the end of a training run "
+                            f"(not with --index none): finish the run (--resume) or train again")
+        rundir.check_file(path, check)
+    with safe_open(os.path.join(out_dir, INDEX_FILE), framework="pt") as f:
         index = {k: f.get_tensor(k) for k in f.keys()}
-    with open(os.path.join(out_dir, DOCUMENTS_FILE), encoding="utf-8") as f:
-        documents = json.load(f)
-    return index, documents
+        step = (f.metadata() or {}).get("step")
+    return index, rundir.read_json(os.path.join(out_dir, DOCUMENTS_FILE)), step
 
 
 def search_cli(args):
@@ -581,12 +689,17 @@ def search_cli(args):
         raise UserError("--search and --query go together: --search OUT --query 'some text'")
     if not os.path.isdir(args.search):
         raise UserError(f"--search {args.search} is not a directory; pass the --output-dir of a training run")
-    index, documents = load_index(args.search)
+    index, documents, index_step = load_index(args.search)
     model, tokenizer = load_splade(args.search)
     q = encode(model, tokenizer, [args.query], args.max_query_length)[0]
     if len(index["term_ptr"]) - 1 != len(q):
         raise UserError(f"{args.search}: the index has {len(index['term_ptr']) - 1} terms, the model {len(q)}; "
                         f"the index belongs to another model, train again to rebuild it")
+    model_step = checkpoint.weights_step(os.path.join(args.search, bert.SAFETENSORS))
+    if index_step is not None and model_step is not None and int(index_step) != model_step:
+        print(f"warning: the index was built by the model of step {index_step}, the saved model is from step "
+              f"{model_step} (a resumed run that has not finished); finish it with --resume to rebuild the index",
+              file=sys.stderr)
     weights, terms = q.topk(min(20, int((q > 0).sum())))
     vocab = tokenizer.ids_to_tokens
     print(f"query: {args.query!r} -> {int((q > 0).sum())} non-zero terms; top terms:")
@@ -621,13 +734,16 @@ def retrieval_metrics(scores, relevant):
 
 
 def evaluate(model, tokenizer, val, args, amp):
-    """Encode the whole val pool, index it, search with every val query; also the sparsity."""
+    """Index the val pool, search it with every val query -> (metrics and sparsity, the pool's index)."""
     queries, pool, relevant = val
-    d = encode(model, tokenizer, pool, args.max_length, args.eval_batch_size, amp)
-    q = encode(model, tokenizer, queries, args.max_query_length, args.eval_batch_size, amp)
-    result = retrieval_metrics(score(build_index(d), q, len(pool)), torch.tensor(relevant))
-    result.update(val_q_terms=(q > 0).sum(1).float().mean().item(), val_d_terms=(d > 0).sum(1).float().mean().item())
-    return result, d
+    index = build_index(encode_batches(model, tokenizer, pool, args.max_length, args.eval_batch_size, amp))
+    scores, q_terms = [], []
+    for q in encode_batches(model, tokenizer, queries, args.max_query_length, args.eval_batch_size, amp):
+        scores.append(score(index, q, len(pool)))
+        q_terms.append((q > 0).sum(1))
+    result = retrieval_metrics(torch.cat(scores), torch.tensor(relevant))
+    result.update(val_q_terms=torch.cat(q_terms).float().mean().item(), val_d_terms=len(index["weights"]) / len(pool))
+    return result, index
 
 
 def metrics_text(m):
@@ -637,7 +753,7 @@ def metrics_text(m):
 
 # --- memory estimate ------------------------------------------------------------------------------
 def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp=False, checkpointing=False,
-                    optimizer_on_cpu=False, cached_batch=0):
+                    optimizer_on_cpu=False, cached_batch=0, eval_batch=64):
     """Predicted bytes per component for one SPLADE training step.
 
     A micro-batch encodes batch_size queries and batch_size (1 + k) documents. Per token and layer,
@@ -649,6 +765,10 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
     calibrated on CPU with bench/splade.py: 2.45 GiB measured for 2.38 GiB predicted). Gradient
     checkpointing keeps only each layer's input. cached_batch > 0 (GradCache) adds the cached
     representations of the whole effective batch and their gradients, [queries + documents, vocab].
+    Validation encodes eval_batch documents at a time without a graph: their logits (masked in place)
+    and one layer's temporaries; it adds to the peak only where that is more than a training step.
+    On CPU the measured peak is the process's resident set: Python, torch and the data come first
+    ("runtime baseline"), and steady_cpu_heap() keeps the allocator from adding to it.
     """
     s = 2 if amp else 4
     tokens = batch_size * q_len + batch_size * (1 + k) * d_len
@@ -665,31 +785,24 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
     }
     if cached_batch:
         estimate["cached representations + grads"] = cached_batch * (2 + k) * cfg.vocab_size * 4 * 2
+    eval_tokens = eval_batch * d_len
+    validation = eval_tokens * cfg.vocab_size * (4 if not amp else 2 + 4) + eval_tokens * cfg.hidden_size * 4 * 8
+    step = estimate["encoder activations"] + estimate["MLM logits + gradient"]
+    if validation > step:
+        estimate["validation batch, beyond a step"] = validation - step
     estimate["runtime baseline"] = {"cpu": 300 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)
     return estimate
 
 
 # --- save -----------------------------------------------------------------------------------------
-def save_model(out_dir, model, cfg, tokenizer, step, last_finite):
-    """OUT as a plain Hugging Face masked-LM directory: config.json, model.safetensors, vocab.txt,
-    tokenizer_config.json. Non-finite weights are never written."""
-    guards.check_finite_weights(model.state_dict(), step, last_finite, out_dir)
-    bert.save_pretrained(model, cfg, out_dir, metadata={"step": str(step)})
+def save_model(out_dir, model, cfg, tokenizer, step, last_saved):
+    """A plain Hugging Face masked-LM directory: config.json, model.safetensors, the tokenizer
+    (tokenizer.json, vocab.txt, tokenizer_config.json, special_tokens_map.json), which transformers and
+    sentence-transformers' SparseEncoder load as they are. Non-finite weights are never written: the run
+    stops instead, naming the last finite checkpoint."""
+    guards.check_finite_weights(model.state_dict(), step, last_saved, out_dir)
+    bert.save_pretrained(model, cfg, out_dir, metadata={"step": step})
     tokenizer.save(out_dir)
-
-
-def save_state(out_dir, optimizer, step, run_state, args):
-    """What --resume needs besides the weights. step = the next step to run."""
-    state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
-             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-             "run": json.dumps(run_state), "args": json.dumps(vars(args))}
-    checkpoint.save_training_state(out_dir, state)
-
-
-def save_best_copy(out_dir, model, cfg, tokenizer, step):
-    best = os.path.join(out_dir, "best")
-    bert.save_pretrained(model, cfg, best, metadata={"step": str(step)})
-    tokenizer.save(best)
 
 
 # --- what train_splade_optimized.py changes -------------------------------------------------------
@@ -703,44 +816,92 @@ class Variant:
     make_optimizer: Callable = None  # (params, lr, weight_decay, device) -> optimizer
     after_step: Callable = None  # (step, record) -> text for the progress line
     estimate_kwargs: dict = dataclasses.field(default_factory=dict)
-    uses_grad_accum_exactly: bool = False
+    memory_hint: str = "lower --batch-size or --max-length, or use train_splade_optimized.py (GradCache: the same " \
+                       "batch in pieces that fit)"
 
 
-FIXED_ON_RESUME = ("train_file", "val_file", "model_name", "vocab_size", "hidden_size", "num_layers", "num_heads",
-                   "max_length", "max_query_length", "negatives_per_query", "batch_size", "grad_accum", "seed")
-CHANGEABLE_ON_RESUME = ("lr", "epochs", "steps", "lambda_q", "lambda_d", "reg_warmup_steps", "save_interval",
-                        "log_interval", "early_stopping", "early_stopping_patience", "early_stopping_min_delta")
-
-
-def run(args, parser=None, argv=None, variant=None):
-    variant = variant or Variant()
-    log = print
-    # --- check every flag and path before any work -------------------------------------------------
-    guards.check_output_dir(args.out_dir, "--output-dir")
+# --- checks before any work --------------------------------------------------------------------------
+def check_args(args):
+    """The flags and paths rundir.prepare does not know about, checked before any work starts."""
     guards.check_cache_dir(args.cache_dir)
-    if not args.estimate_memory:
-        guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
-    if args.overwrite and not args.resume and not args.estimate_memory:
-        for name in ("best", INDEX_FILE, DOCUMENTS_FILE):  # what the run being replaced left, that this one may not write
-            path = os.path.join(args.out_dir, name)
-            shutil.rmtree(path) if os.path.isdir(path) else (os.remove(path) if os.path.isfile(path) else None)
-    saved = None
-    if args.resume:
-        saved = checkpoint.load_training_state(args.out_dir)
-        saved_args = json.loads(saved["args"])
-        if parser is not None:
-            given = guards.explicit_flags(args, parser, argv)
-            for key in CHANGEABLE_ON_RESUME:  # what the user does not change now stays as the run had it
-                if key not in given and key in saved_args:
-                    setattr(args, key, saved_args[key])
-            guards.check_resume_flags(saved_args, args, parser, FIXED_ON_RESUME, CHANGEABLE_ON_RESUME, log=log, argv=argv)
-        for key in FIXED_ON_RESUME:  # the saved run defines what the data and the model are
-            setattr(args, key, saved_args.get(key, getattr(args, key)))
     for flag, path in (("--train-file", args.train_file), ("--val-file", args.val_file)):
         if path and not os.path.isfile(path):
             raise UserError(f"{flag} {path} does not exist or is not a file; pass a JSON or JSONL file of records")
-    if args.early_stopping and not args.val_file and args.train_file:
+    if args.val_file and not args.train_file:
+        raise UserError("--val-file goes with --train-file (the embedded stdlib set brings its own validation "
+                        "queries); pass both, or neither")
+    if args.early_stopping and args.train_file and not args.val_file:
         raise UserError("--early-stopping needs validation data; pass --val-file")
+
+
+def model_config(args, run_dir, log):
+    """(cfg, model_dir): a checkpoint's (or the resumed run's) config, the flags' shape from scratch
+    (model_dir None). A real run checks the whole model directory first (config, weights against it,
+    the tokenizer: lib/bert.py check_model_dir), before any data is built; --estimate-memory reads
+    config.json alone (a hub id downloads nothing else)."""
+    model_dir = run_dir.out_dir if run_dir.resumed else args.model_name
+    if model_dir and not args.estimate_memory:
+        model_dir = bert.check_model_dir(model_dir, args.cache_dir, log=log)
+    if model_dir:
+        cfg = bert.load_config(model_dir, args.cache_dir, log=log)
+    else:
+        if args.hidden_size % args.num_heads:
+            raise UserError(f"--hidden-size {args.hidden_size} is not divisible by --num-heads {args.num_heads}")
+        cfg = bert.BertConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
+                              num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
+                              intermediate_size=4 * args.hidden_size, max_position_embeddings=512)
+    if args.dropout is not None:
+        cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = args.dropout
+    longest = max(args.max_length, args.max_query_length)
+    if longest > cfg.max_position_embeddings:
+        raise UserError(f"--max-length {longest} exceeds the model's {cfg.max_position_embeddings} positions; "
+                        f"use at most {cfg.max_position_embeddings}")
+    return cfg, model_dir
+
+
+def load_data(args, k, log):
+    """(train, val, val pool, source): the user's files, or the embedded stdlib set."""
+    if args.train_file:
+        val = read_examples(args.val_file, "--val-file", 0, log) if args.val_file else []
+        return read_examples(args.train_file, "--train-file", k, log), val, val_pool(val), args.train_file
+    t0 = time.perf_counter()
+    train, val, pool = stdlib_examples()
+    log(f"data: {len(train)} train pairs, {len(val)} val queries over a pool of {len(pool)} functions, built "
+        f"from the running Python's standard library in {time.perf_counter() - t0:.1f}s")
+    return train, val, pool, "the stdlib (docstring -> code)"
+
+
+def tokenize(train, tokenizer, args, log):
+    """Every query and document of the training set, tokenised once; a batch is then just padding."""
+    t0 = time.perf_counter()
+    ids = {"q": {}, "d": {}}
+    for ex in train:
+        ids["q"].setdefault(ex.query, tokenizer.encode(ex.query, max_length=args.max_query_length))
+        for text in (ex.positive, *ex.negatives):
+            if text not in ids["d"]:
+                ids["d"][text] = tokenizer.encode(text, max_length=args.max_length)
+    log(f"tokenised {len(ids['q']):,} queries and {len(ids['d']):,} documents in {time.perf_counter() - t0:.1f}s")
+    return ids
+
+
+def update_best(progress, m, step, args):
+    """After a validation: is this the best model so far, and should training stop early?"""
+    if progress["first_metrics"] is None:  # the model before training: the baseline, not a candidate
+        progress["first_metrics"] = m
+        return False, False
+    value = m[args.early_stopping_monitor]
+    if progress["best"] is None or value > progress["best"] + args.early_stopping_min_delta:
+        progress.update(best=value, best_step=step, bad_evals=0)
+        return True, False
+    progress["bad_evals"] += 1
+    return False, args.early_stopping and progress["bad_evals"] >= args.early_stopping_patience
+
+
+# --- run: the recipe, stage by stage -----------------------------------------------------------------
+def run(args, run_dir, variant=None):
+    """Train from the flags; run_dir comes from rundir.prepare (main), which has settled --resume."""
+    variant, log, out = variant or Variant(), print, run_dir.out_dir
+    check_args(args)
 
     # --- device ------------------------------------------------------------------------------------
     device = variant.device or devices.pick_device(args.device)
@@ -749,61 +910,40 @@ def run(args, parser=None, argv=None, variant=None):
     if device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
 
-    # --- model configuration (before the data, so --estimate-memory is instant) --------------------
-    from_scratch = not args.model_name and not args.resume
-    if from_scratch:
-        if args.hidden_size % args.num_heads:
-            raise UserError(f"--hidden-size {args.hidden_size} is not divisible by --num-heads {args.num_heads}")
-        cfg = bert.BertConfig(vocab_size=args.vocab_size, hidden_size=args.hidden_size,
-                              num_hidden_layers=args.num_layers, num_attention_heads=args.num_heads,
-                              intermediate_size=4 * args.hidden_size, max_position_embeddings=512)
-    else:
-        model_dir = args.out_dir if args.resume else args.model_name
-        cfg = bert.load_config(model_dir, args.cache_dir, log=log)  # a hub id: config.json alone, for now
-    if args.dropout is not None:
-        cfg.hidden_dropout_prob = cfg.attention_probs_dropout_prob = args.dropout
-    longest = max(args.max_length, args.max_query_length)
-    if longest > cfg.max_position_embeddings:
-        raise UserError(f"--max-length {longest} exceeds the model's {cfg.max_position_embeddings} positions; "
-                        f"use at most {cfg.max_position_embeddings}")
-    lr = args.lr or (5e-5 if args.model_name else 1e-3)  # fine-tuning moves little; from scratch needs more
+    # --- model configuration and memory (config.json alone: --estimate-memory is instant) ----------
+    cfg, model_dir = model_config(args, run_dir, log)
+    args.lr = args.lr or (5e-5 if args.model_name else 1e-3)  # fine-tuning moves little; from scratch needs more
     k = args.negatives_per_query
     n_params = bert.param_count(cfg)
     estimate = estimate_memory(cfg, n_params, args.batch_size, k, args.max_query_length, args.max_length,
-                               device.type, amp is not None, **variant.estimate_kwargs)
-    log(f"model: {cfg.model_type} {'from scratch' if from_scratch else 'from ' + model_dir}, {cfg.num_hidden_layers} "
+                               device.type, amp is not None, eval_batch=args.eval_batch_size, **variant.estimate_kwargs)
+    log(f"model: {cfg.model_type} {'from ' + model_dir if model_dir else 'from scratch'}, {cfg.num_hidden_layers} "
         f"layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n_params:,} parameters; device {device}, "
         f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; {args.batch_size} queries x "
         f"(1 + {k}) documents per micro-batch, {args.grad_accum} micro-batch(es) per step")
     if args.estimate_memory:
         log(memory_table(estimate))
         return {"estimate": estimate}
-    guards.check_memory(sum(estimate.values()), device, args.force,
-                        "lower --batch-size or --max-length (or use train_splade_optimized.py)")
+    guards.check_memory(sum(estimate.values()), device, args.force, variant.memory_hint)
+
+    # --- a checkpoint's weights and tokenizer, before the data: a bad directory stops the run here ---
+    if model_dir:
+        model, cfg, tokenizer = load_model_and_tokenizer(model_dir, args.cache_dir, log)
+        if args.dropout is not None:
+            set_dropout(model, cfg, args.dropout)
 
     # --- data --------------------------------------------------------------------------------------
-    if args.train_file:
-        train = read_examples(args.train_file, "--train-file", k)
-        val = read_examples(args.val_file, "--val-file", 0) if args.val_file else []
-        pool = val_pool(val)
-        source = args.train_file
-    else:
-        t0 = time.perf_counter()
-        train, val, pool = stdlib_examples()
-        source = "the stdlib (docstring -> code)"
-        log(f"data: {len(train)} train pairs, {len(val)} val queries over a pool of {len(pool)} functions, built "
-            f"from the running Python's standard library in {time.perf_counter() - t0:.1f}s")
-    per_step = args.batch_size * args.grad_accum
-    steps_per_epoch = len(train) // per_step
+    train, val, pool, source = load_data(args, k, log)
+    steps_per_epoch = len(train) // (args.batch_size * args.grad_accum)
     if steps_per_epoch == 0:
-        raise UserError(f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} = {per_step} queries per step "
-                        f"exceeds the {len(train)} training records; lower --batch-size")
+        raise UserError(f"--batch-size {args.batch_size} x --grad-accum {args.grad_accum} queries per step exceeds "
+                        f"the {len(train)} training records; lower --batch-size")
     total_steps = args.steps if args.steps is not None else args.epochs * steps_per_epoch
     position = {d: i for i, d in enumerate(pool)}
     val_data = ([ex.query for ex in val], pool, [position[ex.positive] for ex in val]) if val else None
 
-    # --- tokenizer and model -----------------------------------------------------------------------
-    if from_scratch:
+    # --- from scratch: a vocabulary learned from the training texts, and a BERT that starts lexical --
+    if not model_dir:
         t0 = time.perf_counter()
         texts = dict.fromkeys(t for ex in train for t in (ex.query, ex.positive, *ex.negatives))
         tokenizer = wordpiece.learn_vocab(list(texts), vocab_size=args.vocab_size)
@@ -811,20 +951,8 @@ def run(args, parser=None, argv=None, variant=None):
         log(f"learned a WordPiece vocabulary of {tokenizer.vocab_size:,} entries from the training texts "
             f"in {time.perf_counter() - t0:.1f}s")
         model = init_lexical(bert.init_weights(bert.build_model(cfg)))
-    else:
-        model, cfg, tokenizer = load_model_and_tokenizer(model_dir, args.cache_dir, log)
-        if args.dropout is not None:
-            set_dropout(model, cfg, args.dropout)
     model.train()
-    t0 = time.perf_counter()
-    ids = {"q": {}, "d": {}}  # tokenise every text once; batches are then just padding
-    for ex in train:
-        ids["q"].setdefault(ex.query, tokenizer.encode(ex.query, max_length=args.max_query_length))
-        for text in (ex.positive, *ex.negatives):
-            if text not in ids["d"]:
-                ids["d"][text] = tokenizer.encode(text, max_length=args.max_length)
-    log(f"tokenised {len(ids['q']):,} queries and {len(ids['d']):,} documents in {time.perf_counter() - t0:.1f}s")
-
+    ids = tokenize(train, tokenizer, args, log)
     devices.reset_peak_memory(device)
     # On CPU the peak below includes what the process already holds: the data, and the heap the
     # vocabulary learning grew (Python rarely gives memory back). Say how much, beside the estimate.
@@ -835,60 +963,60 @@ def run(args, parser=None, argv=None, variant=None):
 
     # --- optimiser ---------------------------------------------------------------------------------
     make = variant.make_optimizer or (lambda params, lr, wd, dev: optim.make_adamw(params, lr, wd, (0.9, 0.999), dev.type))
-    optimizer = make(list(model.parameters()), lr, args.weight_decay, device)
+    optimizer = make(list(model.parameters()), args.lr, args.weight_decay, device)
+    # fp16 gradients underflow; the scaler multiplies the loss up and divides the gradients back.
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
-    start_step = 0
-    run_state = {"first_metrics": None, "best": None, "best_step": None, "bad_evals": 0, "last_saved": None}
-    if saved is not None:
-        optimizer.load_state_dict(saved["optimizer"])
-        torch.set_rng_state(saved["rng_cpu"])
-        if saved["rng_cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(saved["rng_cuda"])
-        start_step, run_state = saved["step"], json.loads(saved["run"])
-        log(f"resuming from step {start_step} of {total_steps} in {args.out_dir}")
+    start_step, progress = 0, {"first_metrics": None, "best": None, "best_step": None, "bad_evals": 0}
+    if run_dir.resumed:
+        state = run_dir.state
+        optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng_cpu"])
+        if state["rng_cuda"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        start_step, progress = state["step"], {**progress, **json.loads(state["run"])}
+        if total_steps < start_step:
+            raise UserError(f"--resume: {out} is already at step {start_step}; pass --steps {start_step} or more")
+        log(f"resuming from step {start_step} of {total_steps} in {out}")
 
     # --- training loop -----------------------------------------------------------------------------
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    guards.start_metrics(metrics_path, args.resume)
-    mlog = metrics.MetricsLog(metrics_path)
+    mlog = rundir.begin(run_dir, args)  # the first write: only now does --overwrite clear the old run
     mlog.log(event="start", seed=args.seed, step=start_step, device=str(device), data=source, n_train=len(train),
              n_val=len(val), pool=len(pool), total_steps=total_steps, steps_per_epoch=steps_per_epoch,
              n_params=n_params, config=dataclasses.asdict(cfg), args=vars(args))
-    monitor = args.early_stopping_monitor
+    # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
+    updates = rundir.Updates(out, last_saved=start_step if run_dir.resumed else None)
+    last = {"step": None, "metrics": None, "index": None}  # the latest validation
+
+    def save(step):
+        """The model (Hugging Face layout), then what --resume needs; step = the next step to run."""
+        save_model(out, model, cfg, tokenizer, step, updates.last_saved)
+        rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
+        rundir.save_state(run_dir, args, {"step": step, "optimizer": optimizer.state_dict(), "run": json.dumps(progress),
+                                          "rng_cpu": torch.get_rng_state(), "rng_cuda": rng_cuda})
+        updates.saved(step)
 
     def validate(step):
-        """Validate, keep the best model, and say whether to stop early."""
-        m, last["pool_reps"] = evaluate(model, tokenizer, val_data, args, amp)
+        """Retrieval on the val pool; keep the best model (OUT/best, or OUT itself with --save-best-only)."""
+        m, last["index"] = evaluate(model, tokenizer, val_data, args, amp)
         last.update(step=step, metrics=m)
         log(f"step {step} (epoch {step / steps_per_epoch:.2f}): val {metrics_text(m)}")
         mlog.log(step=step, epoch=step / steps_per_epoch, val=m)
-        if run_state["first_metrics"] is None:
-            run_state["first_metrics"] = m
-            return False
-        improved = run_state["best"] is None or m[monitor] > run_state["best"] + args.early_stopping_min_delta
-        if improved:
-            run_state.update(best=m[monitor], best_step=step, bad_evals=0)
-            if args.save_best_only:
-                save_all(step)
-            else:
-                save_best_copy(args.out_dir, model, cfg, tokenizer, step)
-        else:
-            run_state["bad_evals"] += 1
-        return args.early_stopping and run_state["bad_evals"] >= args.early_stopping_patience
+        improved, stop = update_best(progress, m, step, args)
+        if improved and updates.in_a_row == 0 and args.save_best_only:
+            save(step)
+        elif improved and updates.in_a_row == 0:
+            save_model(os.path.join(out, "best"), model, cfg, tokenizer, step, updates.last_saved)
+        return stop
 
-    def save_all(step):
-        save_model(args.out_dir, model, cfg, tokenizer, step, run_state["last_saved"])
-        run_state["last_saved"] = step
-        save_state(args.out_dir, optimizer, step, run_state, args)
-
-    last = {"step": None, "metrics": None, "pool_reps": None}  # the latest validation
     speed = metrics.Throughput(total_steps, start_step)
+    # next_step is what a checkpoint records: it moves only once the update is applied, so an
+    # interrupt anywhere in a step saves a state that --resume continues without repeating work.
     next_step, stopped_early = start_step, False
     if val_data and start_step == 0:
         validate(0)
     try:
         for step in range(start_step, total_steps):
-            lr_now = optim.lr_at(step, lr, args.warmup_steps, total_steps, 0.0)
+            lr_now = optim.lr_at(step, args.lr, args.warmup_steps, total_steps, 0.0)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
             lam_q, lam_d = (lambda_at(step, lam, args.reg_warmup_steps) for lam in (args.lambda_q, args.lambda_d))
@@ -896,20 +1024,18 @@ def run(args, parser=None, argv=None, variant=None):
                                    args.seed, tokenizer.pad_id)
             micro = [Batch(*(t.to(device) for t in dataclasses.astuple(mb))) for mb in micro]
             stats = variant.step_fn(model, micro, lam_q, lam_d, amp, scaler)
-            if not math.isfinite(stats["loss"]):
-                raise UserError(f"loss became {stats['loss']} at step {step}; stopped before the update, "
-                                f"{guards.last_finite_text(run_state['last_saved'], args.out_dir)}; lower --lr or check the data")
-            scaler.unscale_(optimizer)
+            updates.check_loss(step, stats["loss"])  # a non-finite loss stops the run before its update
+            scaler.unscale_(optimizer)  # clip the true gradients, not the scaled ones
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.grad_clip or float("inf")).item()
+            # A NaN or infinite gradient would turn every weight it touches into NaN: skip that update.
+            # (Under fp16 the GradScaler skips it by itself and lowers its scale: its way of finding one.)
             skipped = not math.isfinite(grad_norm)
-            if skipped:  # one bad batch must not poison the weights: drop this update
-                optimizer.zero_grad(set_to_none=True)
-                scaler.update()
-            else:
+            if scaler.is_enabled() or not skipped:
                 scaler.step(optimizer)
-                scaler.update()
-                optimizer.zero_grad(set_to_none=True)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
             next_step = step + 1
+            updates.record(step, skipped and not scaler.is_enabled())  # 10 skipped in a row stop the run
             speed.add(sum(mb.q_mask.sum().item() + mb.d_mask.sum().item() for mb in micro))
 
             record = dict(step=step, lr=lr_now, lambda_q=lam_q, lambda_d=lam_d, grad_norm=grad_norm, **stats)
@@ -931,47 +1057,46 @@ def run(args, parser=None, argv=None, variant=None):
             end_of_epoch = next_step % steps_per_epoch == 0 or next_step == total_steps
             if end_of_epoch and val_data:
                 stopped_early = validate(next_step)
-            if not args.save_best_only and ((end_of_epoch and next_step < total_steps) or
-                                            (args.save_interval and next_step % args.save_interval == 0)):
-                save_all(next_step)
+            # No checkpoint in the middle of a run of skipped updates: it may be a divergence starting,
+            # and the last good checkpoint must stay the one --resume finds.
+            due = (end_of_epoch and next_step < total_steps) or (args.save_interval and next_step % args.save_interval == 0)
+            if due and not args.save_best_only and updates.in_a_row == 0:
+                save(next_step)
             if stopped_early:
-                log(f"early stopping: {monitor} has not improved by {args.early_stopping_min_delta} for "
-                    f"{args.early_stopping_patience} validations (best {run_state['best']:.4f} at step {run_state['best_step']})")
+                log(f"early stopping: {args.early_stopping_monitor} has not improved by "
+                    f"{args.early_stopping_min_delta} for {args.early_stopping_patience} validations "
+                    f"(best {progress['best']:.4f} at step {progress['best_step']})")
                 break
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
-        if args.save_best_only and run_state["last_saved"] is not None:
-            print(f"\ninterrupted at step {next_step}: {args.out_dir} keeps the best model (step "
-                  f"{run_state['last_saved']}); continue from it with --resume", file=sys.stderr)
-        else:
-            save_all(next_step)
-            print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        sys.exit(130)
+    except KeyboardInterrupt:  # save exactly the updates made so far (--save-best-only: OUT keeps the best), exit 130
+        keep_best = args.save_best_only and updates.last_saved is not None
+        rundir.save_on_interrupt(lambda: False if keep_best else save(next_step), next_step, out)
     step = next_step
+    updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 
     # --- save --------------------------------------------------------------------------------------
-    if not (args.save_best_only and run_state["last_saved"] is not None):
-        save_all(step)
-    else:
-        # OUT holds the best model; the index and the report must describe that one.
-        model.load_state_dict(bert.load_pretrained(args.out_dir, log=lambda *a: None)[0].state_dict())
+    if not (args.save_best_only and updates.last_saved is not None):
+        save(step)
+    else:  # OUT holds the best model; the index and the report must describe that one
+        model.load_state_dict(bert.load_pretrained(out, log=lambda *a: None)[0].state_dict())
         last["step"] = None  # the model in memory changed
-        log(f"--save-best-only: {args.out_dir} holds the best model, step {run_state['last_saved']}")
-    log(f"saved {args.out_dir}: config.json, model.safetensors ({cfg.model_type} masked-LM, Hugging Face layout), "
-        f"vocab.txt, tokenizer_config.json, training_state.pt")
+        log(f"--save-best-only: {out} holds the best model, step {updates.last_saved}")
+    log(f"saved {out}: config.json, model.safetensors ({cfg.model_type} masked-LM, Hugging Face layout), "
+        f"tokenizer.json, vocab.txt, tokenizer_config.json, training_state.pt")
+
+    # --- index -------------------------------------------------------------------------------------
     train_docs = list(dict.fromkeys(t for ex in train for t in (ex.positive, *ex.negatives)))
     index_docs = {"all": list(dict.fromkeys([*pool, *train_docs])), "pool": pool or train_docs, "none": []}[args.index]
     if index_docs:
         t0 = time.perf_counter()
-        if index_docs is pool and last["step"] == step and last["pool_reps"] is not None:
-            reps = last["pool_reps"]  # the final validation has just encoded exactly these, with these weights
+        if index_docs is pool and last["step"] == step and last["index"] is not None:
+            index = last["index"]  # the final validation has just indexed exactly these, with these weights
         else:
-            reps = encode(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp)
-        index = build_index(reps)
-        save_index(args.out_dir, index, index_docs)
+            reps = encode_batches(model, tokenizer, index_docs, args.max_length, args.eval_batch_size, amp)
+            index = build_index(reps)  # block by block: the dense [documents, vocabulary] never exists
+        save_index(out, index, index_docs, updates.last_saved)
         log(f"indexed {len(index_docs):,} documents ({len(index['weights']) / len(index_docs):.0f} terms per document, "
-            f"{len(index['weights']):,} postings) in {time.perf_counter() - t0:.1f}s: {args.out_dir}/{INDEX_FILE}; "
-            f"search with --search {args.out_dir} --query TEXT")
+            f"{len(index['weights']):,} postings) in {time.perf_counter() - t0:.1f}s: {out}/{INDEX_FILE}; "
+            f"search with --search {out} --query TEXT")
 
     # --- report ------------------------------------------------------------------------------------
     peak = devices.peak_memory_bytes(device)
@@ -979,15 +1104,16 @@ def run(args, parser=None, argv=None, variant=None):
     if resident_before:
         log(f"  (of the measured peak, {metrics.format_bytes(resident_before)} was resident before training started: "
             f"Python, torch, the data and what tokenising it left; the estimate counts {metrics.format_bytes(estimate['runtime baseline'])})")
-    first = run_state["first_metrics"]
+    first = progress["first_metrics"]
     final = last["metrics"] if last["step"] == step else (evaluate(model, tokenizer, val_data, args, amp)[0] if val_data else None)
     if final:
-        log(f"val {monitor}: {first[monitor]:.4f} before training, {final[monitor]:.4f} now"
-            + (f" (best {run_state['best']:.4f} at step {run_state['best_step']})" if run_state["best"] is not None else ""))
-    mlog.log(event="end", step=step, val=final, first_val=first, best=run_state["best"], best_step=run_state["best_step"],
+        log(f"val {args.early_stopping_monitor}: {first[args.early_stopping_monitor]:.4f} before training, "
+            f"{final[args.early_stopping_monitor]:.4f} now"
+            + ("" if progress["best"] is None else f" (best {progress['best']:.4f} at step {progress['best_step']})"))
+    mlog.log(event="end", step=step, val=final, first_val=first, best=progress["best"], best_step=progress["best_step"],
              stopped_early=stopped_early, peak_memory=peak, memory_estimate=sum(estimate.values()),
              resident_before_training=resident_before)
-    return {"first": first, "final": final, "best": run_state["best"], "step": step, "peak_memory": peak,
+    return {"first": first, "final": final, "best": progress["best"], "step": step, "peak_memory": peak,
             "estimate": estimate, "model": model, "tokenizer": tokenizer}
 
 

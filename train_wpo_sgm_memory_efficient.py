@@ -17,12 +17,18 @@ the same loss and gradients (docs/wpo_sgm_memory.md derives why):
   model_parallel         the centres split across torchrun ranks; partial statistics combined by collectives
   gradient_accumulation  the data batch split into --accumulation_steps micro-batches
   auto                   picks one from a memory estimate and the device's free memory (--dry-run shows it)
-Read top to bottom: arguments, the mixture and its loss, the strategies, the memory plan, data,
-sampling, then run(): device setup, data, model, optimiser, training loop, save, report.
+Sampling draws exactly from the mixture, one Cholesky factorisation per centre. Read top to bottom:
+arguments, the mixture and its loss, the strategies, the memory plan, data, sampling, then run():
+checks, the memory plan, device setup, data, model, optimiser, training loop, save, samples, report.
+
+Nothing saved is lost (lib/rundir.py, the contract every script here follows): a fresh run refuses
+an --out-dir holding a saved run (--resume or --overwrite); --resume keeps the saved run's flags and
+refuses ones that contradict it (the strategy may change: all compute the same loss); a damaged
+saved file is one error line; non-finite weights are never saved; Ctrl-C saves and exits 130.
 """
 
 import argparse
-import json
+import ctypes
 import math
 import os
 import signal
@@ -38,7 +44,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from lib import checkpoint, distributed, guards, metrics, png
+from lib import checkpoint, distributed, guards, metrics, png, rundir
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 from lib.memory import format_table
@@ -100,7 +106,7 @@ def build_parser():
                    help="print the predicted memory breakdown (same table as --dry-run) and exit")
     g = p.add_argument_group("run")
     g.add_argument("--device", help="cuda, mps or cpu (default: the first available, in that order)")
-    g.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and the batches")
+    g.add_argument("--seed", type=guards.nonneg_int, default=0, help="seeds the data, the initial weights and the batches")
     g.add_argument("--save", "--out-dir", dest="out_dir", default=f"out/{SCRIPT}",
                    help="config.json, model.safetensors, training state, metrics.jsonl, samples and picture")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --out-dir")
@@ -116,12 +122,21 @@ def build_parser():
     return p
 
 
-# Flags that define the run (a resume may not change them) and flags a resume may change: the
-# strategy among them, because every strategy computes the same loss.
-FIXED_FLAGS = ["data", "data_dir", "image_size", "train_samples_size", "test_samples_size", "train_kernel_size",
-               "depth", "hiddenunits", "stability", "batch_size", "seed"]
-CHANGEABLE_FLAGS = ["niters", "lr", "weight_decay", "scheduler_type", "grad_clip", "strategy", "chunk_size",
-                    "accumulation_steps", "log_interval", "eval_interval", "save_interval", "num_samples"]
+# The run directory (lib/rundir.py): what a saved run is, and which flags --resume may change. The
+# fixed ones make the run what it is (the data, the mixture's shape, the batches): given again they
+# must match, not given they take the saved values. The changeable ones keep the saved values unless
+# given; the strategy is among them, because every strategy computes the same loss and gradients.
+RUN = rundir.Spec(
+    saved={checkpoint.CONFIG: "json", checkpoint.WEIGHTS: "safetensors", rundir.STATE: "state"},
+    same_step=(checkpoint.WEIGHTS,),
+    written=(rundir.METRICS, "samples.npy", "samples.png"),
+    fixed=("data", "data_dir", "image_size", "train_samples_size", "test_samples_size", "train_kernel_size", "depth",
+           "hiddenunits", "stability", "batch_size", "seed"),
+    changeable=("niters", "lr", "weight_decay", "scheduler_type", "grad_clip", "strategy", "chunk_size",
+                "accumulation_steps", "log_interval", "eval_interval", "save_interval", "num_samples"),
+    data=("data_dir",),
+    local=("dry_run",),
+)
 
 
 def main(argv=None):
@@ -129,7 +144,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     threads = torch.get_num_threads()
     try:
-        return run(args, parser, argv)
+        return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as e:
         report_and_exit(e)
     finally:
@@ -151,9 +166,10 @@ class FactorNet(nn.Module):
             layers += [nn.Linear(width, hidden), nn.GELU()]
             width = hidden
         self.hidden = nn.Sequential(*layers)
-        self.out = nn.Linear(width, tril_size(dim))
         # Start every centre at L = I (softplus(0.5413) = 1), i.e. P = (1 + eps) I, as the original
         # starts from an identity-like factor; the hidden layers learn once out.weight moves off zero.
+        # (skip_init: no random draws for a layer set just below; on CIFAR-10 it is 64 x 4.7 M.)
+        self.out = nn.utils.skip_init(nn.Linear, width, tril_size(dim))
         rows, cols = torch.tril_indices(dim, dim)
         with torch.no_grad():
             self.out.weight.zero_()
@@ -173,10 +189,13 @@ def factor_matrices(vec, dim):
 
 
 def log_det_precision(L, eps):
-    """log det(L L^T + eps I) = 2 sum_i log C_ii, C the Cholesky factor of P. The only place P is formed."""
+    """log det(L L^T + eps I) = 2 sum_i log C_ii, C the Cholesky factor of P. The only place P is formed
+    in training. P is positive definite in exact arithmetic; a factor that overflowed (a diverging run)
+    can make it fail in floating point, and then its log det is NaN, so the loss is, and the run stops."""
     eye = torch.eye(L.shape[-1], dtype=L.dtype, device=L.device)
-    C = torch.linalg.cholesky(L @ L.mT + eps * eye)
-    return 2 * torch.log(torch.diagonal(C, dim1=-2, dim2=-1)).sum(-1)
+    C, info = torch.linalg.cholesky_ex(L @ L.mT + eps * eye)
+    log_det = 2 * torch.log(torch.diagonal(C, dim1=-2, dim2=-1)).sum(-1)
+    return torch.where(info == 0, log_det, float("nan"))
 
 
 def chunk_stats(factornet, x, centres, eps):
@@ -320,6 +339,9 @@ def forward_backward(factornet, x, centres, eps, plan):
 FLOATS_PER_CENTRE_D2 = 6
 FLOATS_PER_SAMPLE_CENTRE_D = 5
 FLOATS_PER_CENTRE_TRIL = 3
+# Sampling, one centre at a time: factornet's D(D+1)/2 outputs with their int64 row and column indices
+# and L (about 4 D x D floats while L is filled), then L, P and C; measured 4.1-4.4 x D^2 for D = 1024-3072.
+FLOATS_SAMPLING_D2 = 4.25
 FP32 = 4
 # On CPU the first forward and backward also touch kernel libraries, thread pools and autograd's
 # engine: the resident set grows by about 90 MiB whatever the model (measured: D = 8, K = 4, Linux
@@ -336,6 +358,8 @@ class Shape:
     train_samples: int
     depth: int
     hidden: int
+    test_samples: int = 0
+    num_samples: int = 0  # drawn at the end
 
     @property
     def n_params(self):
@@ -353,28 +377,62 @@ class Plan:
 
 
 def estimate_memory(shape: Shape, plan: Plan, baseline: int = 0) -> dict:
-    """Predicted peak bytes per component on one device (one rank) for the plan."""
+    """Predicted peak bytes per component on one device (one rank) for the plan: what the run holds
+    throughout, plus the largest of what its moments add: a step's forward and backward, AdamW's
+    update, sampling. (The test loss goes a batch at a time with no graph kept: less than a step.)"""
+    return {**held_memory(shape, baseline), **max(moments(shape, plan).values(), key=lambda m: sum(m.values()))}
+
+
+def moments(shape: Shape, plan: Plan) -> dict:
+    """What each moment of the run needs on top of what is held, by component."""
+    p = shape.n_params
+    return {"a step's forward and backward": step_memory(shape, plan),
+            # AdamW's update on CPU (torch's per-tensor loop) computes sqrt(v) / bias correction into
+            # two new tensors of a parameter's size; a GPU's multi-tensor update does so for all at once.
+            "AdamW's update": {"update: gradients": p * FP32, "update: two parameter-sized temporaries": 2 * p * FP32},
+            "sampling": sampling_memory(shape)}
+
+
+def held_memory(shape: Shape, baseline: int = 0) -> dict:
+    p = shape.n_params
+    held = {
+        "training and test data (N x D)": (shape.train_samples + shape.test_samples) * shape.dim * FP32,
+        "factornet parameters": p * FP32,
+        "AdamW moments (2 x fp32)": 2 * p * FP32,
+    }
+    if baseline:
+        held["runtime baseline (measured)"] = baseline
+        held["runtime: first step's kernels and threads"] = CPU_STEP_OVERHEAD
+    return held
+
+
+def step_memory(shape: Shape, plan: Plan) -> dict:
+    """A training step: the gradients, and what autograd and the kernels hold per chunk of centres."""
     local = -(-shape.centres // plan.world_size)                 # this rank's centres
     chunk = min(plan.chunk_size or local, local)
     micro = -(-shape.batch // plan.accumulation_steps)
     n_chunks = -(-local // chunk)
-    d, p = shape.dim, shape.n_params
-    est = {
-        "training data (N x D)": shape.train_samples * d * FP32,
-        "factornet parameters": p * FP32,
-        "gradients": p * FP32,
-        "AdamW moments (2 x fp32)": 2 * p * FP32,
-        f"factors L, P, Cholesky ({chunk} x D x D)": FLOATS_PER_CENTRE_D2 * chunk * d * d * FP32,
-        f"factornet output ({chunk} x D(D+1)/2)": FLOATS_PER_CENTRE_TRIL * chunk * tril_size(d) * FP32,
-        f"per-sample terms ({micro} x {chunk} x D)": FLOATS_PER_SAMPLE_CENTRE_D * micro * chunk * d * FP32,
-        "factornet hidden activations": 4 * chunk * shape.depth * shape.hidden * FP32,
+    d = shape.dim
+    step = {
+        "step: gradients": shape.n_params * FP32,
+        f"step: factors L, P, Cholesky ({chunk} x D x D)": FLOATS_PER_CENTRE_D2 * chunk * d * d * FP32,
+        f"step: factornet output ({chunk} x D(D+1)/2)": FLOATS_PER_CENTRE_TRIL * chunk * tril_size(d) * FP32,
+        f"step: per-sample terms ({micro} x {chunk} x D)": FLOATS_PER_SAMPLE_CENTRE_D * micro * chunk * d * FP32,
+        "step: factornet hidden activations": 4 * chunk * shape.depth * shape.hidden * FP32,
     }
     if n_chunks > 1:  # what the running combine keeps per chunk for backward: its rescaling factors
-        est[f"combine factors ({n_chunks} chunks x B)"] = 3 * n_chunks * micro * FP32
-    if baseline:
-        est["runtime baseline (measured)"] = baseline
-        est["runtime: first step's kernels and threads"] = CPU_STEP_OVERHEAD
-    return est
+        step[f"step: combine factors ({n_chunks} chunks x B)"] = 3 * n_chunks * micro * FP32
+    return step
+
+
+def sampling_memory(shape: Shape) -> dict:
+    """sample(): the draws and their noise, one centre's share of them, and one centre's factors."""
+    n, d = shape.num_samples, shape.dim
+    if not n:
+        return {}
+    share = -(-n // shape.centres)
+    return {f"sampling: {n} draws, noise, indices": (2 * n * d + 3 * share * d) * FP32 + 2 * n * 8,
+            "sampling: one centre's L, P, Cholesky (D x D)": int(FLOATS_SAMPLING_D2 * d * d * FP32)}
 
 
 def runtime_baseline(device):
@@ -387,6 +445,17 @@ def runtime_baseline(device):
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
+
+
+def return_freed_blocks_to_the_os():
+    """glibc keeps a freed block of up to 32 MiB in its heap for reuse (its mmap threshold rises to
+    the largest block freed), so a CPU run's resident set grows with how the heap fragments, not with
+    its tensors: 1.24-1.29x the estimate on pooled CIFAR-10 (docs/wpo_sgm_memory.md). A fixed
+    threshold of 128 KiB gives every larger block its own mapping, returned to the system when freed."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD in glibc's malloc.h
+    except (OSError, AttributeError):
+        pass  # not glibc (macOS, musl): nothing to do
 
 
 def largest_chunk(shape, plan, budget, baseline):
@@ -445,6 +514,19 @@ def choose_plan(args, shape, world_size, available, baseline):
     return Plan("chunked", 1, 1, 1, f"nothing fits within {FREE_FRACTION:.0%} of the {have}; the smallest plan is shown")
 
 
+def print_plan(shape, plan, baseline, world, device_text, log):
+    """--dry-run and --estimate-memory: the shape, what all centres at once would need, the plan, the table."""
+    log(f"D = {shape.dim}, K = {shape.centres}, batch {shape.batch}, factornet {shape.n_params:,} parameters, "
+        f"device {device_text}, {world} rank(s)")
+    at_once = sum(estimate_memory(shape, Plan("single_gpu", None, 1, world), baseline).values())
+    log(f"all {-(-shape.centres // world)} centres at once would need {metrics.format_bytes(at_once)}"
+        + (" per rank" if world > 1 else ""))
+    log(f"plan: {describe_plan(plan, shape)} ({plan.reason})")
+    log(format_table(estimate_memory(shape, plan, baseline)))
+    log("on top of what is held: " + ", ".join(f"{name} {metrics.format_bytes(sum(m.values()))}"
+                                                for name, m in moments(shape, plan).items()) + "; the largest counts")
+
+
 def describe_plan(plan, shape):
     parts = [plan.strategy]
     if plan.strategy == "model_parallel":
@@ -454,6 +536,26 @@ def describe_plan(plan, shape):
     if plan.strategy == "gradient_accumulation":
         parts.append(f"{plan.accumulation_steps} micro-batches")
     return ", ".join(parts)
+
+
+class Progress:
+    """A line every few seconds while a long phase runs (reading data, the test loss, sampling), with
+    what is done and an ETA; a phase that is over sooner prints nothing."""
+
+    EVERY = 5.0  # seconds between lines
+
+    def __init__(self, what, total, unit, log):
+        self.what, self.total, self.unit, self.log, self.every = what, total, unit, log, self.EVERY
+        self.start = self.last = time.perf_counter()
+
+    def __call__(self, done):
+        now = time.perf_counter()
+        if now - self.last >= self.every and done < self.total:
+            self.last = now
+            eta = (now - self.start) / done * (self.total - done)
+            self.log(f"{self.what}: {done:,}/{self.total:,} {self.unit}, {metrics.format_seconds(now - self.start)} "
+                     f"so far, ETA {metrics.format_seconds(eta)}")
+            sys.stdout.flush()  # seen now, also through a pipe or a log file
 
 
 # --- data: toy sets generated from the seed, and CIFAR-10's binary files ----------------------------
@@ -561,42 +663,78 @@ def pool_images(images, side):
 
 
 def load_cifar(data_dir, n_train, n_test, side, log):
+    """The first n_train training images and the first n_test test images, pooled to side x side."""
     present = check_cifar_dir(data_dir)
     parts, read = [], []
+    progress = Progress("data: reading CIFAR-10", len(present), "files", log)
     for name in present:
         if sum(len(p) for p in parts) >= n_train:
             break
         images, _ = read_cifar_file(os.path.join(data_dir, name), n_train - sum(len(p) for p in parts))
-        parts.append(images)
+        parts.append(pool_images(images, side))  # pooled file by file: the full-size copy is one file's
         read.append(name)
+        progress(len(read))
     train = np.concatenate(parts)
     test = None
     test_path = os.path.join(data_dir, "test_batch.bin")
     if n_test and os.path.isfile(test_path):
-        test, _ = read_cifar_file(test_path, n_test)
+        test = pool_images(read_cifar_file(test_path, n_test)[0], side)
     log(f"data: CIFAR-10 from {data_dir}: {len(train)} training images from {', '.join(read)}"
         + (f", {len(test)} test images from test_batch.bin" if test is not None else ", no test_batch.bin (no test loss)")
         + ("" if len(train) >= n_train else f" (fewer than --train_samples_size {n_train}: that is all there is)"))
-    return pool_images(train, side), None if test is None else pool_images(test, side)
+    return train, test
+
+
+def data_dim(args):
+    return 3 * args.image_size ** 2 if args.data == "cifar10" else (6 if args.data == "swissroll_6D_xy1" else 2)
+
+
+def load_data(args, log):
+    """(training samples, test samples or None) as float32 arrays [N, D]."""
+    if args.data == "cifar10":
+        return load_cifar(args.data_dir, args.train_samples_size, args.test_samples_size, args.image_size, log)
+    train = toy_data(args.data, args.train_samples_size, np.random.default_rng(args.seed))
+    test = toy_data(args.data, args.test_samples_size, np.random.default_rng(args.seed + 1)) if args.test_samples_size else None
+    log(f"data: {args.data}, {len(train)} training and {0 if test is None else len(test)} test samples "
+        f"generated from seed {args.seed} (D = {train.shape[1]})")
+    return train, test
 
 
 # --- sampling: exact draws from the mixture -----------------------------------------------------------
 @torch.no_grad()
-def sample(factornet, centres, eps, n, seed):
-    """Pick k uniformly, then x = mu_k + C_k^-T z with C_k C_k^T = P_k: Cov = C^-T C^-1 = P_k^-1."""
+def sample(factornet, centres, eps, n, seed, log=print):
+    """n exact draws: pick k uniformly, then x = mu_k + C_k^-T z with z ~ N(0, I) and C_k C_k^T = P_k,
+    so Cov x = C^-T C^-1 = P_k^-1.
+
+    There are only K distinct precisions, so the draws are grouped by centre: each P_k is formed and
+    factorised once, O(D^3), and one triangular solve with all of that centre's z as right-hand sides
+    gives its draws, O(n_k D^2): O(K D^3 + n D^2) in all, with one centre's D x D matrices in memory
+    at a time. Every k and z is drawn first, so the grouping changes no draw.
+    """
+    dim = centres.shape[1]
     g = torch.Generator().manual_seed(seed)
     k = torch.randint(len(centres), (n,), generator=g)
-    z = torch.randn(n, centres.shape[1], generator=g)
-    out = []
-    eye = torch.eye(centres.shape[1], device=centres.device)
-    block = max(1, min(4096, 2**22 // centres.shape[1] ** 2))  # samples at a time: about 4M floats of factors
-    for i in range(0, n, block):
-        mu = centres[k[i:i + block].to(centres.device)]
-        L = factor_matrices(factornet(mu), centres.shape[1])
-        C = torch.linalg.cholesky(L @ L.mT + eps * eye)
-        y = torch.linalg.solve_triangular(C.mT, z[i:i + block, :, None].to(centres.device), upper=True)
-        out.append(mu + y[..., 0])
-    return torch.cat(out) if out else centres.new_zeros(0, centres.shape[1])
+    z = torch.randn(n, dim, generator=g)
+    out = centres.new_empty(n, dim)
+    progress = Progress(f"sampling {n:,} draws", len(centres), "centres", log)
+    by_centre = torch.argsort(k, stable=True).split(torch.bincount(k, minlength=len(centres)).tolist())
+    for j, rows in enumerate(by_centre):
+        if len(rows):
+            out[rows.to(out.device)] = draws_around(factornet, centres[j], z[rows].to(out.device), eps, j)
+        progress(j + 1)
+    return out
+
+
+def draws_around(factornet, centre, z, eps, index):
+    """centre + C^-T z for each row of z [m, D], C the Cholesky factor of this centre's precision."""
+    dim = len(centre)
+    L = factor_matrices(factornet(centre[None]), dim)[0]
+    C, info = torch.linalg.cholesky_ex(L @ L.T + eps * torch.eye(dim, device=L.device))
+    if info:  # positive definite in exact arithmetic; fp32 fails only when L's entries are huge
+        raise UserError(f"sampling: the precision of centre {index} cannot be factorised in fp32 (its factor's "
+                        f"largest entry is {float(L.abs().max()):.3g}); the saved model is kept; retrain with a "
+                        f"lower --lr or a larger --stability")
+    return centre + torch.linalg.solve_triangular(C.T, z.T, upper=True).T
 
 
 def picture(path, data, samples, image_side=None):
@@ -630,57 +768,72 @@ def lr_at(step, total, peak, kind):
     return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * t))
 
 
-# --- save and load ------------------------------------------------------------------------------------
-STATE = "training_state.pt"
+# --- the test loss, saving and resuming ------------------------------------------------------------------
+@torch.no_grad()
+def test_loss(factornet, test_x, centres, eps, plan, batch_size, log):
+    """The loss on the held-out samples, batch_size of them at a time against chunks of the centres
+    (no graph is kept, so this needs less memory than a training step); under model_parallel every
+    rank runs the same batches against its own centres."""
+    mp, total = plan.strategy == "model_parallel", 0.0
+    progress = Progress("test loss", len(test_x), "samples", log)
+    for start in range(0, len(test_x), batch_size):
+        xb = test_x[start:start + batch_size]
+        total += score_matching_loss(factornet, xb, centres, eps, plan.chunk_size or 256, model_parallel=mp).item() * len(xb)
+        progress(start + len(xb))
+    return total / len(test_x)
 
 
-def save(out_dir, factornet, centres, optimizer, step, args, last_finite):
-    named = {f"factornet.{k}": v for k, v in factornet.state_dict().items()}
-    named["centres"] = centres
-    guards.check_finite_weights(named, step, last_finite, out_dir)
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in named.items()}
-    checkpoint.atomic_write(os.path.join(out_dir, checkpoint.WEIGHTS),
-                            lambda tmp: save_file(tensors, tmp, metadata={"format": "pt", "step": str(step)}))
-    d = centres.shape[1]
-    checkpoint.save_json(os.path.join(out_dir, checkpoint.CONFIG), {
-        "model_type": "wpo_sgm", "dim": d, "num_centres": len(centres), "depth": args.depth,
-        "hidden_units": args.hiddenunits, "activation": "gelu", "stability": args.stability, "data": args.data,
-        "image_size": args.image_size if args.data == "cifar10" else None,
-        "factor": "lower-triangular L_k from factornet(centre_k), rows of torch.tril_indices, softplus diagonal; "
-                  "precision P_k = L_k L_k^T + stability * I; p(x) = mean_k N(x; centre_k, P_k^-1)",
-    })
-    state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
-             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-             "args": json.dumps(vars(args))}
-    checkpoint.atomic_write(os.path.join(out_dir, STATE), lambda tmp: torch.save(state, tmp))
+def save(run_dir, factornet, centres, optimizer, step, args, updates, dist_info):
+    """The model (factornet and its centres) in safetensors with config.json, then the state --resume
+    needs (step = the next step to run). Weights holding NaN or inf are never saved."""
+    named = {**{f"factornet.{k}": v for k, v in factornet.state_dict().items()}, "centres": centres}
+    guards.check_finite_weights(named, step, updates.last_saved, run_dir.out_dir)
+    if dist_info.is_main:
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in named.items()}
+        checkpoint.atomic_write(os.path.join(run_dir.out_dir, checkpoint.WEIGHTS),
+                                lambda tmp: save_file(tensors, tmp, metadata={"format": "pt", "step": str(step)}))
+        checkpoint.save_json(os.path.join(run_dir.out_dir, checkpoint.CONFIG), {
+            "model_type": "wpo_sgm", "dim": centres.shape[1], "num_centres": len(centres), "depth": args.depth,
+            "hidden_units": args.hiddenunits, "activation": "gelu", "stability": args.stability, "data": args.data,
+            "image_size": args.image_size if args.data == "cifar10" else None,
+            "factor": "lower-triangular L_k from factornet(centre_k), rows of torch.tril_indices, softplus diagonal; "
+                      "precision P_k = L_k L_k^T + stability * I; p(x) = mean_k N(x; centre_k, P_k^-1)",
+        })
+        rundir.save_state(run_dir, args, {"step": step, "optimizer": optimizer.state_dict()})
+    updates.saved(step)
 
 
-def load(out_dir):
-    weights, state_path = os.path.join(out_dir, checkpoint.WEIGHTS), os.path.join(out_dir, STATE)
-    for path in (weights, state_path):
-        if not os.path.isfile(path):
-            raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass the --out-dir of an earlier run")
+def resume(run_dir, factornet, centres, optimizer, args, log):
+    """Load the saved run's weights and optimizer state (validated by rundir.prepare); returns the
+    step to continue from. The saved centres must be the ones the data gives now."""
+    path = os.path.join(args.out_dir, checkpoint.WEIGHTS)
+    tensors = load_file(path)
     try:
-        tensors = load_file(weights)
-        state = torch.load(state_path, map_location="cpu", weights_only=True)
-    except Exception as e:  # a torn or foreign file: say which
-        raise UserError(f"--resume: {out_dir} cannot be read ({type(e).__name__}: {e}); start again with --overwrite") from None
-    if checkpoint.weights_step(weights) != state["step"]:
-        raise UserError(f"--resume: {weights} is from step {checkpoint.weights_step(weights)} but {STATE} from step "
-                        f"{state['step']}; the save was interrupted, start again with --overwrite")
-    return tensors, state
+        factornet.load_state_dict({k[len("factornet."):]: v for k, v in tensors.items() if k.startswith("factornet.")})
+    except RuntimeError as e:
+        raise UserError(f"--resume: {path} does not hold this run's factornet ({str(e).splitlines()[-1].strip()}); "
+                        f"restore it, or start again with --overwrite") from None
+    if "centres" not in tensors or not torch.equal(tensors["centres"], centres.cpu()):
+        raise UserError(f"--resume: the centres saved in {path} differ from the first --train_kernel_size samples "
+                        f"of the data now read; the data changed since the run was saved: restore it, or start "
+                        f"again with --overwrite")
+    optimizer.load_state_dict(run_dir.state["optimizer"])
+    step = run_dir.state["step"]
+    if args.niters < step:
+        raise UserError(f"--resume: {args.out_dir} is already at step {step}; pass --niters {step} or more")
+    log(f"resuming from step {step} of {args.niters} in {args.out_dir}")
+    return step
 
 
 # --- the run ----------------------------------------------------------------------------------------
-def run(args, parser, argv=None):
-    # --- device and distributed setup (and every check that needs no data) ------------------------
-    device = devices.pick_device(args.device)
-    guards.check_output_dir(args.out_dir)
+def check_args(args, world):
+    """Every check on the flags (the saved run's, with --resume) that needs no data."""
     if args.data == "cifar10":
         check_cifar_dir(args.data_dir)
     elif args.data_dir:
         raise UserError(f"--data-dir is for --data cifar10, not --data {args.data} (toy sets are generated); drop --data-dir")
-    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if args.seed >= 2**32:
+        raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
     if world > 1 and args.strategy not in ("auto", "model_parallel"):
         raise UserError(f"--strategy {args.strategy} under torchrun ({world} ranks) would repeat the same work on every "
                         f"rank; use --strategy model_parallel (or auto), or launch with plain python")
@@ -695,109 +848,84 @@ def run(args, parser, argv=None):
     if args.strategy == "gradient_accumulation" and (args.accumulation_steps or 4) > args.batch_size:
         raise UserError(f"--accumulation_steps {args.accumulation_steps or 4} exceeds --batch_size {args.batch_size}; "
                         f"a micro-batch needs at least one sample")
-    if not (args.dry_run or args.estimate_memory):
-        guards.refuse_overwrite(args.out_dir, args.resume, args.overwrite)
-    saved = None
-    if args.resume:
-        saved = load(args.out_dir)
-        guards.check_resume_flags(json.loads(saved[1]["args"]), args, parser, FIXED_FLAGS, CHANGEABLE_FLAGS, argv=argv)
-    planning_only = args.dry_run or args.estimate_memory  # no process group needed to print a plan
-    dist_info = distributed.setup(device.type) if world > 1 and not planning_only else distributed.DistInfo()
-    device = distributed.device_for(dist_info, device)
-    log = print if os.environ.get("RANK", "0") == "0" else (lambda *a, **k: None)
+
+
+def run(args, parser, argv):
+    # --- checks and the run directory: nothing is written until every check has passed ----------------
+    # lib/rundir.py: a saved run is never replaced without --overwrite; --resume validates every saved
+    # file and takes the saved run's flags, so the checks below see the values the run will use.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    log = print if int(os.environ.get("RANK", "0")) == 0 else (lambda *a, **k: None)
+    planning_only = args.dry_run or args.estimate_memory  # print the plan and exit: writes nothing
+    run_dir = rundir.prepare(args, parser, argv, RUN, log=log, writes=not planning_only)
+    check_args(args, world)
+    device = devices.pick_device(args.device)
 
     # --- the memory plan ------------------------------------------------------------------------------
-    dim = 3 * args.image_size ** 2 if args.data == "cifar10" else (6 if args.data == "swissroll_6D_xy1" else 2)
-    shape = Shape(dim, args.train_kernel_size, args.batch_size, args.train_samples_size, args.depth, args.hiddenunits)
+    dim = data_dim(args)
+    shape = Shape(dim, args.train_kernel_size, args.batch_size, args.train_samples_size, args.depth, args.hiddenunits,
+                  args.test_samples_size, args.num_samples)
     available, what = guards.available_memory(device)
     baseline = runtime_baseline(device)
     plan = choose_plan(args, shape, world, available, baseline)
     estimate = estimate_memory(shape, plan, baseline)
-    if args.estimate_memory or args.dry_run:
-        log(f"D = {dim}, K = {shape.centres}, batch {shape.batch}, factornet {shape.n_params:,} parameters, "
-            f"device {device} ({metrics.format_bytes(available) if available else 'unknown'} {what}), {world} rank(s)")
-        at_once = sum(estimate_memory(shape, Plan("single_gpu", None, 1, world), baseline).values())
-        log(f"all {-(-shape.centres // world)} centres at once would need {metrics.format_bytes(at_once)}"
-            + (" per rank" if world > 1 else ""))
-        log(f"plan: {describe_plan(plan, shape)} ({plan.reason})")
-        log(format_table(estimate))
+    if planning_only:
+        print_plan(shape, plan, baseline, world, f"{device} ({metrics.format_bytes(available) if available else 'unknown'} "
+                                                 f"{what})", log)
         return {"plan": plan, "estimate": estimate}
     log(f"plan: {describe_plan(plan, shape)} ({plan.reason}); predicted peak {metrics.format_bytes(sum(estimate.values()))}")
     guards.check_memory(sum(estimate.values()), device, args.force,
                         "lower --chunk_size or --batch_size, use --strategy chunked or more ranks")
 
-    # --- data ---------------------------------------------------------------------------------------
+    # --- device and distributed setup -----------------------------------------------------------------
+    dist_info = distributed.setup(device.type) if world > 1 else distributed.DistInfo()
+    device = distributed.device_for(dist_info, device)
     if device.type == "cpu" and dim <= 16 and "OMP_NUM_THREADS" not in os.environ:
         # Toy-set tensors are a few KB: splitting each op across threads costs more than it saves,
         # and on a busy machine waiting for a descheduled thread costs far more (set OMP_NUM_THREADS to choose).
         torch.set_num_threads(1)
     devices.seed_everything(args.seed)
-    if args.data == "cifar10":
-        train_np, test_np = load_cifar(args.data_dir, args.train_samples_size, args.test_samples_size, args.image_size, log)
-    else:
-        train_np = toy_data(args.data, args.train_samples_size, np.random.default_rng(args.seed))
-        test_np = toy_data(args.data, args.test_samples_size, np.random.default_rng(args.seed + 1)) if args.test_samples_size else None
-        log(f"data: {args.data}, {len(train_np)} training and {0 if test_np is None else len(test_np)} test samples "
-            f"generated from seed {args.seed} (D = {dim})")
+
+    # --- data ---------------------------------------------------------------------------------------
+    train_np, test_np = load_data(args, log)
+    if len(train_np) < args.train_kernel_size:
+        raise UserError(f"--train_kernel_size {args.train_kernel_size} exceeds the {len(train_np)} training images found; lower it")
     train_x = torch.from_numpy(train_np).to(device)
     test_x = None if test_np is None else torch.from_numpy(test_np).to(device)
     centres = train_x[: args.train_kernel_size]  # the first K training samples, as in the original
-    if len(train_x) < args.train_kernel_size:
-        raise UserError(f"--train_kernel_size {args.train_kernel_size} exceeds the {len(train_x)} training images found; lower it")
     # model_parallel: this rank's slice of the centres; every rank still sees every sample.
     local_centres = centres.tensor_split(dist_info.world_size)[dist_info.rank] if plan.strategy == "model_parallel" else centres
 
     # --- model ----------------------------------------------------------------------------------------
-    devices.reset_peak_memory(device)
-    factornet = FactorNet(dim, args.depth, args.hiddenunits)  # same seed on every rank: identical replicas
-    if saved is not None:
-        factornet.load_state_dict({k[len("factornet."):]: v for k, v in saved[0].items() if k.startswith("factornet.")})
-        if not torch.equal(saved[0]["centres"], centres.cpu()):
-            raise UserError(f"--resume: the centres saved in {args.out_dir} differ from the data now loaded; "
-                            f"use the same --data, --data-dir and --seed as the saved run")
-    factornet.to(device)
+    devices.reset_peak_memory(device)  # count training, not reading the data
+    factornet = FactorNet(dim, args.depth, args.hiddenunits).to(device)  # same seed on every rank: identical replicas
     log(f"model: factornet {args.depth} x {args.hiddenunits} GELU -> {tril_size(dim)} factor entries, "
         f"{shape.n_params:,} parameters; K = {len(centres)} centres, eps = {args.stability}; fp32 on {device}"
         + (f" x {dist_info.world_size} ranks ({len(local_centres)} centres on this one)" if dist_info.enabled else ""))
 
     # --- optimiser -------------------------------------------------------------------------------------
     optimizer = torch.optim.AdamW(factornet.parameters(), lr=args.lr, weight_decay=args.weight_decay)
-    start_step = 0
-    if saved is not None:
-        state = saved[1]
-        optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
-        start_step = state["step"]
-        if args.niters < start_step:
-            raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --niters {start_step} or more")
-        log(f"resuming from step {start_step} in {args.out_dir}")
-
-    def test_loss():
-        if test_x is None:
-            return None
-        with torch.no_grad():  # chunked without recomputation: no graph is kept
-            mp = plan.strategy == "model_parallel"
-            return score_matching_loss(factornet, test_x, local_centres, args.stability,
-                                       plan.chunk_size or 256, model_parallel=mp).item()
+    start_step = resume(run_dir, factornet, centres, optimizer, args, log) if run_dir.resumed else 0
 
     # --- training loop ---------------------------------------------------------------------------------
-    metrics_path = os.path.join(args.out_dir, "metrics.jsonl")
-    if dist_info.is_main:
-        guards.start_metrics(metrics_path, args.resume)
-    metrics_log = metrics.MetricsLog(metrics_path, enabled=dist_info.is_main)
+    metrics_log = rundir.begin(run_dir, args, dist_info.is_main)  # the first write; --overwrite clears only now
     metrics_log.log(event="start", seed=args.seed, step=start_step, device=str(device), world_size=dist_info.world_size,
                     strategy=plan.strategy, chunk_size=plan.chunk_size, accumulation_steps=plan.accumulation_steps,
                     n_params=shape.n_params, dim=dim, memory_estimate=sum(estimate.values()), args=vars(args))
+    updates = rundir.Updates(args.out_dir, last_saved=start_step if run_dir.resumed else None)
+
+    def save_now(step):
+        save(run_dir, factornet, centres, optimizer, step, args, updates, dist_info)
+
     speed = metrics.Throughput(args.niters, start_step)
-    next_step, last_saved = start_step, (start_step if args.resume else None)
-    first_loss = loss_value = None
+    next_step, first_loss, loss_value = start_step, None, None
+    previous_handler = signal.getsignal(signal.SIGINT)
+    ctrl_c = distributed.catch_ctrl_c(dist_info)  # under torchrun every rank stops after the same step
     t_start = time.perf_counter()
     try:
         for step in range(start_step, args.niters):
             if step % args.eval_interval == 0 and test_x is not None:
-                tl = test_loss()
+                tl = test_loss(factornet, test_x, local_centres, args.stability, plan, args.batch_size, log)
                 log(f"step {step}: test loss {tl:.4f}")
                 metrics_log.log(step=step, test_loss=tl)
             lr = lr_at(step, args.niters, args.lr, args.scheduler_type)
@@ -807,9 +935,7 @@ def run(args, parser, argv=None):
             g = torch.Generator().manual_seed(args.seed * 1_000_003 + step)
             x = train_x[torch.randint(len(train_x), (args.batch_size,), generator=g).to(device)]
             loss_value = forward_backward(factornet, x, local_centres, args.stability, plan)
-            if not math.isfinite(loss_value):
-                raise UserError(f"the loss became {loss_value} at step {step}; stopped before the update, "
-                                f"{guards.last_finite_text(last_saved, args.out_dir)}; lower --lr or raise --stability")
+            updates.check_loss(step, loss_value)  # a NaN or infinite loss stops the run before its update
             first_loss = loss_value if first_loss is None else first_loss
             grad_norm = torch.nn.utils.clip_grad_norm_(factornet.parameters(), args.grad_clip or float("inf")).item()
             skipped = not math.isfinite(grad_norm)
@@ -832,44 +958,56 @@ def run(args, parser, argv=None):
                 log(f"step {step:5d}/{args.niters} | loss {loss_value:9.4f} | lr {lr:.2e} | {per_s:8,.0f} samples/s | "
                     f"mem {metrics.format_bytes(mem)} | ETA {metrics.format_seconds(eta)}")
             metrics_log.log(**record)
-            if next_step % args.save_interval == 0 and next_step < args.niters:
-                if dist_info.is_main:
-                    save(args.out_dir, factornet, centres, optimizer, next_step, args, last_saved)
-                last_saved = next_step
-    except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the save short
-        if dist_info.is_main:
-            save(args.out_dir, factornet, centres, optimizer, next_step, args, last_saved)
-            print(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        distributed.cleanup(dist_info, wait=False)
-        sys.exit(130)
-    train_seconds = time.perf_counter() - t_start
+            updates.record(step, skipped)  # stops the run after 10 skipped updates in a row
 
-    # --- save -------------------------------------------------------------------------------------------
-    final_test = test_loss()
-    if final_test is not None:
-        log(f"step {next_step}: test loss {final_test:.4f}")
-        metrics_log.log(step=next_step, test_loss=final_test)
-    samples = None
-    if dist_info.is_main:
-        save(args.out_dir, factornet, centres, optimizer, next_step, args, last_saved)
-        samples = sample(factornet, centres, args.stability, args.num_samples, args.seed + 2).cpu().numpy()
-        np.save(os.path.join(args.out_dir, "samples.npy"), samples)
-        pic = os.path.join(args.out_dir, "samples.png")
-        picture(pic, train_np, samples, args.image_size if args.data == "cifar10" else None)
-        log(f"saved {args.out_dir}/config.json, model.safetensors (factornet + centres), {STATE}, "
-            f"samples.npy ({len(samples)} samples) and samples.png (left: data, right: samples)")
+            if distributed.stop_requested(ctrl_c, dist_info, device):
+                raise KeyboardInterrupt  # on every rank, after the same finished step
+            if next_step % args.save_interval == 0 and next_step < args.niters:
+                save_now(next_step)
+    except KeyboardInterrupt:  # save exactly the updates made so far, then exit 130
+        rundir.save_on_interrupt(lambda: save_now(next_step), next_step, args.out_dir, dist_info.is_main,
+                                 cleanup=lambda: distributed.cleanup(dist_info))
+    finally:
+        signal.signal(signal.SIGINT, previous_handler)
+    train_seconds = time.perf_counter() - t_start
+    updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
+
+    # --- save, then the final test loss and the samples ------------------------------------------------
+    save_now(next_step)
+    log(f"saved {args.out_dir}/config.json, model.safetensors (factornet + centres) and {rundir.STATE}")
+    final_test, samples, sample_seconds = None, None, 0.0
+    try:  # the model is saved: Ctrl-C from here on loses nothing, and --resume redoes what follows
+        if test_x is not None:
+            final_test = test_loss(factornet, test_x, local_centres, args.stability, plan, args.batch_size, log)
+            log(f"step {next_step}: test loss {final_test:.4f}")
+            metrics_log.log(step=next_step, test_loss=final_test)
+        if dist_info.is_main:
+            t = time.perf_counter()
+            samples = sample(factornet, centres, args.stability, args.num_samples, args.seed + 2, log).cpu().numpy()
+            sample_seconds = time.perf_counter() - t
+            np.save(os.path.join(args.out_dir, "samples.npy"), samples)
+            picture(os.path.join(args.out_dir, "samples.png"), train_np, samples,
+                    args.image_size if args.data == "cifar10" else None)
+            log(f"saved samples.npy ({len(samples)} samples, {sample_seconds:.1f} s) and samples.png "
+                f"(left: data, right: samples)")
+    except KeyboardInterrupt:
+        rundir.save_on_interrupt(lambda: None, next_step, args.out_dir, dist_info.is_main,
+                                 cleanup=lambda: distributed.cleanup(dist_info, wait=False))
 
     # --- report -------------------------------------------------------------------------------------------
     peak = devices.peak_memory_bytes(device)
     log(format_table(estimate, peak, f"measured ({devices.memory_label(device)})"))
     log(f"trained {next_step - start_step} steps in {train_seconds:.1f} s; loss {first_loss} -> {loss_value}")
     metrics_log.log(event="end", step=next_step, loss=loss_value, test_loss=final_test, peak_memory=peak,
-                    memory_estimate=sum(estimate.values()), train_seconds=round(train_seconds, 2))
+                    memory_estimate=sum(estimate.values()), train_seconds=round(train_seconds, 2),
+                    sample_seconds=round(sample_seconds, 2))
     distributed.cleanup(dist_info)
     return {"loss": loss_value, "first_loss": first_loss, "test_loss": final_test, "peak_memory": peak,
             "estimate": estimate, "plan": plan, "samples": samples}
 
 
 if __name__ == "__main__":
+    # On CPU the resident set then follows the tensors, as estimated. Only for a run from the command
+    # line: a program that imports this script (a test, a notebook) keeps its own allocator settings.
+    return_freed_blocks_to_the_os()
     main()

@@ -3,6 +3,7 @@
     python bench/wpo_sgm.py                      # the default sweep, JSON on stdout (several minutes on a CPU)
     python bench/wpo_sgm.py --dim 32 --ks 64 256 1024 --chunk 16
     python bench/wpo_sgm.py --one '{"strategy": "chunked", "dim": 32, "centres": 256, "chunk": 16}'
+    python bench/wpo_sgm.py --sampling '{"dim": 3072, "centres": 5, "num_samples": 2000}'   # sample(): time, peak
 
 Every configuration runs in its own subprocess, so that one configuration's freed memory cannot
 inflate the next one's peak. Peak memory on CPU is the process's peak resident set (VmHWM from
@@ -78,6 +79,30 @@ def measure(cfg, first=True):
             "peak_above_baseline": peak - baseline, "estimate_above_baseline": total - baseline}
 
 
+def measure_sampling(cfg):
+    """Peak memory of sample() above what the process held before it, against sampling_memory()."""
+    sys.path.insert(0, ROOT)
+    import torch
+
+    import train_wpo_sgm_memory_efficient as w
+    from lib import device as devices
+
+    device = devices.pick_device(cfg.get("device"))
+    d, k, n = cfg["dim"], cfg["centres"], cfg["num_samples"]
+    torch.manual_seed(0)
+    net, centres = w.FactorNet(d, 1, 8).to(device), torch.rand(k, d, device=device)
+    w.sample(w.FactorNet(4, 1, 8).to(device), torch.rand(2, 4, device=device), 0.01, 10, 0)  # load the kernels first
+    before = w.runtime_baseline(device)
+    devices.reset_peak_memory(device)
+    t = time.perf_counter()
+    w.sample(net, centres, 0.01, n, seed=0, log=lambda *a: None)
+    seconds = time.perf_counter() - t
+    peak = devices.peak_memory_bytes(device) - before
+    estimate = sum(w.sampling_memory(w.Shape(d, k, 1, k, 1, 8, num_samples=n)).values())
+    return {**cfg, "device": str(device), "seconds": round(seconds, 2), "peak_above_before": peak,
+            "estimate": estimate, "estimate_over_peak": round(estimate / peak, 3)}
+
+
 def time_interleaved(cfg):
     """Step time of each strategy at one K, measured in one process, strategies taking turns: on a
     shared machine the load drifts, and taking turns exposes every strategy to the same drift."""
@@ -130,6 +155,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--one", help="measure one JSON configuration (or a list, in turn) in this process and print JSON lines")
     p.add_argument("--time", help="time the JSON configuration's strategies in turns in this process")
+    p.add_argument("--sampling", help='measure sample() for one JSON configuration {"dim", "centres", "num_samples"}')
     p.add_argument("--dim", type=int, default=64, help="data dimension D")
     p.add_argument("--ks", type=int, nargs="+", default=[64, 256, 1024], help="numbers of centres K")
     p.add_argument("--chunk", type=int, default=32, help="chunk size for chunked")
@@ -149,6 +175,9 @@ def main(argv=None):
         return
     if args.time:
         print(json.dumps(time_interleaved(json.loads(args.time))))
+        return
+    if args.sampling:
+        print(json.dumps(measure_sampling(json.loads(args.sampling))))
         return
     rows = []
     for k in args.ks:

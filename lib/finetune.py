@@ -6,9 +6,10 @@ sits around the loop, not in it. The base is read from its safetensors file one 
 and each block linear is converted (kept, cast to 16 bits, or quantised to NF4) the moment it is
 read, so the full-precision model never has to fit in memory; only the LoRA matrices reach the
 optimizer; and what is saved is the small adapter (PEFT layout) plus, for --resume, the optimizer
-state and those same LoRA matrices in one atomically written file. Before any of that,
-resolve_run checks everything a user can get wrong (paths, a saved run in the way, --resume's
-flags, the adapter files) from config.json and the adapter alone, and save() never writes a NaN.
+state and those same LoRA matrices in one atomically written file. The run directory goes through
+lib/rundir.py (each script declares it with SAVED, FIXED and CHANGEABLE below); resolve_run then
+checks the rest a user can get wrong (paths, the base, the adapter files) from config.json and
+the adapter alone, and save() never writes a NaN.
 """
 
 import argparse
@@ -18,7 +19,7 @@ import os
 import torch
 import torch.nn as nn
 
-from lib import checkpoint, data, gpt, guards, hub, lora, tokenizer
+from lib import checkpoint, data, gpt, guards, hub, lora, rundir, tokenizer
 from lib import device as devices
 from lib.errors import UserError
 from lib.nf4 import LinearNF4, dequantize_linear, replace_submodule
@@ -55,8 +56,9 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
     g.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(r) (rank-stabilised LoRA)")
     g.add_argument("--adapter", help="start from this saved adapter directory (its r, alpha and targets); "
                    "with --steps 0 it is only evaluated and sampled; when not given, a new adapter (B = 0)")
-    g.add_argument("--merge", action="store_true", help="also write base + B @ A * scale as a plain Hugging Face "
-                   "GPT-2 directory, OUT/merged (loadable by train.py --init-from)")
+    g.add_argument("--merge", action=argparse.BooleanOptionalAction, default=False,
+                   help="also write base + B @ A * scale as a plain Hugging Face GPT-2 directory, OUT/merged "
+                   "(loadable by train.py --init-from)")
     g = p.add_argument_group("optimisation")
     g.add_argument("--steps", type=guards.nonneg_int, default=200, help="optimizer steps in total")
     g.add_argument("--batch-size", type=guards.positive_int, default=8, help="sequences per micro-batch")
@@ -107,15 +109,12 @@ def check_arguments(args):
     if bad or not args.lora_targets:
         raise UserError(f"--lora-targets {' '.join(bad) or '(none)'}: choose from {', '.join(TARGET_CHOICES)}")
     guards.check_schedule_seed_resume(args, seed_limit=2**32 - 1)  # the held-out batches use seed + 1
-    if args.resume and args.adapter:
-        raise UserError("--resume continues the adapter saved in --out-dir, --adapter starts from another one; pass one of them")
 
 
 def check_paths(args):
-    """--cache-dir always (an estimate may download config.json); --out-dir and --data for a real run."""
+    """--cache-dir always (an estimate may download config.json); --data and OUT/merged for a real run."""
     guards.check_cache_dir(args.cache_dir)
     if not args.estimate_memory:
-        guards.check_output_dir(args.out_dir)
         merged = os.path.join(args.out_dir, "merged")
         if args.merge and os.path.exists(merged) and not os.path.isdir(merged):
             raise UserError(f"--merge writes the directory {merged}, which is an existing file; move the file away "
@@ -340,14 +339,14 @@ def dtype_name(amp) -> str:
     return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
 
 
-def save(out_dir, model, optimizer, step, base_dir, settings, first_val, amp, args, last_finite):
+def save(run_dir, model, optimizer, step, base_dir, settings, first_val, amp, args, updates):
     """training_state.pt first (LoRA matrices + optimizer + RNG, one atomic file, so --resume never
     sees an adapter from one step and moments from another), then the adapter in the PEFT layout.
     A and B holding a NaN or an infinity are never saved: the run stops with a UserError that names
-    last_finite, the last step saved with finite weights (None: none was). Returns step."""
+    the last step saved with finite weights (updates.last_saved; None: none was)."""
     trainable = trainable_state(model)
-    guards.check_finite_weights(trainable, step, last_finite, out_dir)
-    state = {
+    guards.check_finite_weights(trainable, step, updates.last_saved, run_dir.out_dir)
+    rundir.save_state(run_dir, args, {
         "step": step,
         "trainable": trainable,
         "optimizer": optimizer.state_dict(),
@@ -357,75 +356,73 @@ def save(out_dir, model, optimizer, step, base_dir, settings, first_val, amp, ar
         "lora": settings,
         "first_val_loss": first_val,
         "compute_dtype": dtype_name(amp),
-        "args": json.dumps(vars(args)),
-    }
-    checkpoint.save_training_state(out_dir, state)
-    lora.save_adapter(model, out_dir, {"base_model_name_or_path": args.init_from or base_dir,
-                                       "target_modules": settings["targets"]})
-    return step
+    })
+    lora.save_adapter(model, run_dir.out_dir, {"base_model_name_or_path": args.init_from or base_dir,
+                                               "target_modules": settings["targets"]})
+    updates.saved(step)
 
 
-# --- before any work: the saved run, the base, the adapter ------------------------------------------
-# What --resume does with a flag given again: these make the run what it is (its base and adapter
-# shape, the windows each step reads, the optimizer its moments belong to), so a different value is
-# an error; these may change (the schedule, how often to evaluate, log and save), and are reported.
-RESUME_FIXED = ["data", "block_size", "batch_size", "grad_accum", "seed", "lora_r", "lora_alpha", "lora_dropout",
-                "lora_targets", "rslora", "weight_decay", "beta1", "beta2"]
-RESUME_CHANGEABLE = ["steps", "lr", "min_lr_ratio", "warmup_steps", "grad_clip", "dtype", "eval_interval",
-                     "eval_batches", "save_interval", "log_interval"]
+# --- the run directory (lib/rundir.py), and before any work: the base, the adapter ---------------------
+# What a saved fine-tuning run is: the adapter (PEFT layout), the training state --resume needs, and the merged
+# model when --merge wrote one (a fresh run replaces none of them without --overwrite).
+SAVED = {lora.WEIGHTS_NAME: "safetensors", lora.CONFIG_NAME: "json", checkpoint.STATE: "state",
+         os.path.join("merged", checkpoint.WEIGHTS): "safetensors", os.path.join("merged", checkpoint.CONFIG): "json"}
+OPTIONAL = (os.path.join("merged", checkpoint.WEIGHTS), os.path.join("merged", checkpoint.CONFIG))
+WRITTEN = (rundir.METRICS, "merged")
+# What --resume does with a flag: these make the run what it is (its base and adapter shape, the windows each
+# step reads, the optimizer its moments belong to), so another value is refused; these may change (the
+# schedule, how often to evaluate, log and save, sampling, --merge) and are reported.
+FIXED = ("init_from", "adapter", "data", "block_size", "batch_size", "grad_accum", "seed", "lora_r", "lora_alpha",
+         "lora_dropout", "lora_targets", "rslora", "weight_decay", "beta1", "beta2")
+CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "grad_clip", "dtype", "eval_interval", "eval_batches",
+              "save_interval", "log_interval", "sample_tokens", "prompt", "temperature", "top_k", "peak_flops", "merge")
 
 
-def resolve_run(args, parser, argv=None, log=print, fixed=()):
-    """Everything both scripts check before any work, in order: the paths; the saved run in --out-dir
-    (continued with --resume, else never replaced without --overwrite); the base model's config.json
-    (a hub id's weights are not downloaded yet: the memory check comes first); the flags --resume was
-    given again; the --adapter files. `fixed` names the script's own flags --resume must not change.
-    Returns (saved training state or None, LoRA settings, the base's GPTConfig)."""
+def resolve_run(args, run_dir, log=print):
+    """What both scripts check before any work, once rundir.prepare has dealt with --out-dir (a saved run is
+    never replaced without --overwrite; --resume has validated it and taken its flags): the paths; the
+    base model's config.json (a hub id's weights are not downloaded yet: the memory check comes first);
+    that nothing is written into the base; the --adapter files. The values the run really uses (an
+    --adapter's own LoRA settings, or the flags'; the base) are recorded in args, so that a later --resume
+    compares against them. Returns (saved training state or None, LoRA settings, the base's GPTConfig)."""
     check_paths(args)
-    state = checkpoint.load_training_state(args.out_dir) if args.resume else None
-    if state is not None and not {"lora", "base", "trainable"} <= set(state):
-        raise UserError(f"--resume: {os.path.join(args.out_dir, checkpoint.STATE)} is not a fine-tuning run's state "
-                        f"(train.py's?); pass the --out-dir of a finetune_lora.py or finetune_qlora.py run")
-    if not args.resume and not args.estimate_memory:
-        refuse_to_replace(args)
-    if state is not None and not args.estimate_memory and not os.path.isdir(state["base"]):
-        raise UserError(f"--resume: the base of the run in {args.out_dir}, {state['base']}, no longer exists; "
-                        f"restore it or start a new run")
+    state = run_dir.state
+    if state is not None:
+        check_same_script(args, state)
+        if not args.estimate_memory and not os.path.isdir(state["base"]):
+            raise UserError(f"--resume: the base of the run in {args.out_dir}, {state['base']}, no longer exists; "
+                            f"restore it or start a new run")
     init_from = state["base"] if state else args.init_from
     cfg = config_for_estimate(init_from, args.cache_dir, log, known_sizes=args.estimate_memory)
+    block_size = args.block_size or cfg.block_size
+    if block_size > cfg.block_size:
+        raise UserError(f"--block-size {block_size} exceeds the base model's {cfg.block_size} positions; use at most "
+                        f"{cfg.block_size}")
+    if cfg.vocab_size < tokenizer.VOCAB_SIZE:
+        raise UserError(f"vocabulary mismatch: the base has vocab_size {cfg.vocab_size}, the GPT-2 tokenizer needs "
+                        f"{tokenizer.VOCAB_SIZE}; use a GPT-2 checkpoint")
     if not args.estimate_memory and (init_from is None or os.path.isdir(init_from)):
         check_not_base(args, init_from or DEFAULT_BASE)  # a hub id's directory: in base_weights
-    if state is not None:
-        check_resume_flags(state, args, parser, argv, cfg, fixed, log)
-        return state, state["lora"], cfg
-    if args.adapter:
-        return None, check_adapter(args.adapter, cfg), cfg
-    return None, lora_settings(args), cfg
+    settings = lora_settings(args)
+    if state is None and args.adapter:
+        if os.path.realpath(args.adapter) == os.path.realpath(args.out_dir):
+            raise UserError(f"--adapter and --out-dir are the same directory, {args.out_dir}: this run would replace "
+                            f"the adapter it starts from and its metrics.jsonl; pass another --out-dir")
+        settings = check_adapter(args.adapter, cfg)
+    args.lora_r, args.lora_alpha, args.lora_dropout = settings["r"], settings["alpha"], settings["dropout"]
+    args.lora_targets, args.rslora = list(settings["targets"]), settings["rslora"]
+    args.init_from, args.block_size = args.init_from or DEFAULT_BASE, block_size
+    return state, settings, cfg
 
 
 def base_weights(args, state, cfg, log=print) -> str:
     """The base directory with its weights: downloaded now for a hub id (after the memory check), the
     saved run's for --resume. model.safetensors is checked from its header: whole, of the shapes
-    config.json gives, and not where this run writes. Then --out-dir is created and test-written."""
+    config.json gives, and not where this run writes."""
     model_dir = state["base"] if state else resolve_base(args.init_from, args.cache_dir, log)
     check_base_weights(model_dir, cfg)
     check_not_base(args, model_dir)
-    guards.make_output_dir(args.out_dir)  # a probe file: a read-only mount stops here, root or not
     return model_dir
-
-
-def refuse_to_replace(args):
-    """A fresh run never replaces a saved adapter, training state or merged model without --overwrite."""
-    if args.overwrite:
-        return
-    if args.adapter and os.path.realpath(args.adapter) == os.path.realpath(args.out_dir):
-        raise UserError(f"--adapter and --out-dir are the same directory, {args.out_dir}: this run would replace the "
-                        f"adapter it starts from and its metrics.jsonl; pass another --out-dir")
-    guards.refuse_overwrite(args.out_dir, resume=False, overwrite=False)
-    merged = os.path.join(args.out_dir, "merged")
-    if args.merge and os.path.isfile(os.path.join(merged, checkpoint.WEIGHTS)):
-        raise UserError(f"--merge: {merged} already holds a merged model; pass --overwrite to replace it, "
-                        f"or another --out-dir")
 
 
 def check_not_base(args, model_dir: str):
@@ -440,26 +437,23 @@ def check_not_base(args, model_dir: str):
                         f"pass another --out-dir")
 
 
-def check_resume_flags(state: dict, args, parser, argv, cfg, fixed=(), log=print):
-    """--resume continues the saved run: a flag given again that contradicts it is an error naming the
-    saved value; a changed schedule or interval is printed. Compared with what the run really used:
-    the adapter's LoRA settings (also when it started from --adapter) and the base's block size."""
-    saved = json.loads(state.get("args") or "{}")
-    made_by = "finetune_qlora.py" if "nf4_block_size" in saved else "finetune_lora.py"
-    if saved and ("nf4_block_size" in saved) != hasattr(args, "nf4_block_size"):
+def check_same_script(args, state: dict):
+    """finetune_lora.py and finetune_qlora.py write the same files, but a run continues with the script that
+    made it: its base is quantised or not (finetune_qlora.py's saved flags include --nf4-block-size)."""
+    made_by = "finetune_qlora.py" if "nf4_block_size" in rundir.saved_args(state) else "finetune_lora.py"
+    if (made_by == "finetune_qlora.py") != hasattr(args, "nf4_block_size"):
         raise UserError(f"--resume: the run in {args.out_dir} was made by {made_by} (its base is "
                         f"{'NF4' if made_by == 'finetune_qlora.py' else 'not quantised'}); continue it with {made_by}")
-    lora_saved = state["lora"]
-    saved.update(lora_r=lora_saved["r"], lora_alpha=lora_saved["alpha"], lora_dropout=lora_saved["dropout"],
-                 lora_targets=lora_saved["targets"], rslora=lora_saved["rslora"])
-    if saved.get("block_size") is None:
-        saved["block_size"] = cfg.block_size
-    init_from = args.init_from
-    if init_from and init_from != saved.get("init_from") and not (
-            os.path.isdir(init_from) and os.path.realpath(init_from) == os.path.realpath(state["base"])):
-        raise UserError(f"--resume: --init-from {init_from} contradicts the saved run (its base is {state['base']}); "
-                        f"drop --init-from to continue it, or start a new run with --overwrite or another --out-dir")
-    guards.check_resume_flags(saved, args, parser, RESUME_FIXED + list(fixed), RESUME_CHANGEABLE, log=log, argv=argv)
+
+
+def restore_optimizer(state: dict, optimizer) -> tuple:
+    """--resume: the AdamW moments and the RNG states (LoRA dropout draws from them) as they were saved.
+    Returns (the step to continue from, the run's first held-out loss)."""
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng_cpu"])
+    if state["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    return state["step"], state["first_val_loss"]
 
 
 def restore_trainable(model: nn.Module, tensors: dict, where: str):

@@ -1,5 +1,6 @@
 """finetune_lora.py and finetune_qlora.py end to end: learning, PEFT files, merge, interchangeable
-adapters, frozen base, exact resume, the memory estimate, and user mistakes.
+adapters, frozen base, the memory estimate, and user mistakes. Ctrl-C and the exact resume are held to
+the run contract in tests/test_run_contract.py.
 
 The base is a seeded, untrained 2-layer GPT saved in the Hugging Face layout (a few steps of LoRA
 move its held-out loss clearly, which a briefly pretrained base, stuck near the unigram plateau,
@@ -165,33 +166,6 @@ def test_adapters_are_interchangeable(lora_run, qlora_run, base, tmp_path):
 
 
 @pytest.mark.parametrize("script", ["lora", "qlora"])
-def test_ctrl_c_then_resume_gives_the_same_losses(script, base, tmp_path, monkeypatch):
-    common = ["--steps", "6", "--grad-accum", "2", "--lora-dropout", "0.1", "--warmup-steps", "2", "--lr", "5e-3"]
-    run(script, base, tmp_path / "straight", *common)
-    real_lr_at = SCRIPTS[script].optim.lr_at
-
-    def interrupt_at_step_3(step, *a, **k):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_lr_at(step, *a, **k)
-
-    monkeypatch.setattr(SCRIPTS[script].optim, "lr_at", interrupt_at_step_3)
-    with pytest.raises(SystemExit) as exit_info:
-        run(script, base, tmp_path / "split", *common)
-    assert exit_info.value.code == 130
-    state = torch.load(tmp_path / "split" / "training_state.pt", weights_only=True)
-    assert state["step"] == 3 and state["optimizer"]["state"] and state["trainable"]
-    monkeypatch.setattr(SCRIPTS[script].optim, "lr_at", real_lr_at)
-    run(script, base, tmp_path / "split", *common, "--resume")
-    straight, split = step_losses(tmp_path / "straight"), step_losses(tmp_path / "split")
-    assert sorted(split) == list(range(6))
-    assert [split[s] for s in range(6)] == pytest.approx([straight[s] for s in range(6)], abs=1e-6)
-    a = load_file(tmp_path / "straight" / "adapter_model.safetensors")
-    b = load_file(tmp_path / "split" / "adapter_model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-@pytest.mark.parametrize("script", ["lora", "qlora"])
 def test_missing_default_checkpoint_is_one_line(script, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)  # no out/train here
     with pytest.raises(SystemExit) as exit_info:
@@ -273,7 +247,6 @@ def test_user_mistakes_end_with_one_line(base, lora_run, tmp_path, capsys):
     expect("lora", ["--adapter", str(tmp_path / "nowhere")], "nowhere: no such directory")
     expect("qlora", ["--lora-targets", "c_attn", "wte"], "--lora-targets wte", "c_fc")
     expect("lora", ["--resume"], "training_state.pt does not exist")
-    expect("lora", ["--resume", "--adapter", lora_run[0]], "pass one of them")
     expect("qlora", ["--nf4-block-size", "7"], "--nf4-block-size")
     expect("lora", ["--block-size", "64"], "exceeds the base model's 32 positions")
     # An adapter whose tensors do not fit: the message names the file and the key.

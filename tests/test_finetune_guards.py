@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import finetune_lora
 import finetune_qlora
-from lib import checkpoint, finetune, gpt, guards
+from lib import checkpoint, gpt, guards
 from lib.checkpoint import current_umask
 from tests.conftest import read_metrics, val_losses
 
@@ -137,7 +137,9 @@ def test_fresh_run_refuses_a_saved_run_and_overwrite_replaces_it(ft, done, base,
     before = snapshot(out)
     fails(capsys, lambda: ft("lora", out, "--steps", "0"), f"{out} already holds a saved run", "--resume", "--overwrite")
     fails(capsys, lambda: ft("qlora", out, "--steps", "3"), "already holds a saved run")
-    fails(capsys, lambda: ft("lora", out, "--steps", "0", "--adapter", out), "--adapter and --out-dir are the same directory")
+    fails(capsys, lambda: ft("lora", out, "--steps", "0", "--adapter", out), "already holds a saved run")
+    fails(capsys, lambda: ft("lora", out, "--steps", "0", "--adapter", out, "--overwrite"),
+          "--adapter and --out-dir are the same directory")  # refused before --overwrite removes anything
     assert snapshot(out) == before and snapshot(os.path.join(out, "merged")) == snapshot(os.path.join(done, "merged"))
     # Nothing, not even --overwrite, writes into the base directory; a merged model is replaced only with --overwrite.
     fails(capsys, lambda: ft("lora", base, "--steps", "1", "--overwrite"), "is the base model's directory")
@@ -150,7 +152,8 @@ def test_fresh_run_refuses_a_saved_run_and_overwrite_replaces_it(ft, done, base,
           "--merge would write", "the base model's directory")
     os.makedirs(tmp_path / "m" / "merged")
     shutil.copy(os.path.join(out, "merged", "model.safetensors"), tmp_path / "m" / "merged")
-    fails(capsys, lambda: ft("lora", tmp_path / "m", "--steps", "0", "--merge"), "--merge: ", "already holds a merged model")
+    fails(capsys, lambda: ft("lora", tmp_path / "m", "--steps", "0", "--merge"),
+          "already holds a saved run (merged/model.safetensors)", "--overwrite")
 
     ft("lora", out, "--steps", "1", "--overwrite")
     assert snapshot(out)["adapter_model.safetensors"] != before["adapter_model.safetensors"]
@@ -171,7 +174,7 @@ def test_resume_refuses_contradicting_flags_and_reports_changed_ones(ft, done, b
     pretrained = tmp_path / "pretrained"  # what train.py leaves: a training state without LoRA in it
     pretrained.mkdir()
     torch.save({"step": 3, "optimizer": {}}, pretrained / "training_state.pt")
-    fails(capsys, lambda: ft("lora", pretrained, "--resume", init_from=None), "is not a fine-tuning run's state")
+    fails(capsys, lambda: ft("lora", pretrained, "--resume", init_from=None), "adapter_model.safetensors is missing")
     assert snapshot(out) == before
     capsys.readouterr()
     # Given again with the saved value, or not given: fine. Steps and learning rate may change, and say so.
@@ -265,7 +268,7 @@ def test_mistakes_are_one_line_before_any_work(ft, done, base, tmp_path, monkeyp
         ro.chmod(stat.S_IRWXU)
     if os.path.isdir("/sys/kernel"):  # Linux: a file system that refuses even root, caught by a probe write
         fails(capsys, lambda: ft("lora", "/sys/byhand-test", "--steps", "1"), "--out-dir /sys/byhand-test cannot be written")
-    assert not out.exists()  # every one stopped before writing anything
+    assert not out.exists() or not any(out.iterdir())  # every one stopped before writing anything
 
 
 def test_memory_precheck_stops_an_impossible_run_before_it_allocates(ft, tmp_path, capsys):
@@ -280,7 +283,7 @@ def test_memory_precheck_stops_an_impossible_run_before_it_allocates(ft, tmp_pat
     # --force goes on to the next check, the missing weights: nothing was allocated or prepared on the way.
     fails(capsys, lambda: ft("lora", tmp_path / "out", "--steps", "1", "--force", init_from=str(huge)),
           "model.safetensors is missing")
-    assert not (tmp_path / "out").exists()
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").iterdir())
 
 
 @pytest.fixture

@@ -16,7 +16,9 @@ it to CASES below. Each case runs the script in-process (its main(argv)) with ti
 
 import dataclasses
 import importlib
+import inspect
 import os
+import re
 import shutil
 import signal
 import textwrap
@@ -42,6 +44,10 @@ class Case:
     saved: tuple = ()  # the saved files; by default the script's rundir.Spec's
     torchrun: bool = False
     make_data: Callable = None  # (directory to write in, a directory of Python source) -> data flags
+    # What Ctrl-C is sent from, "module:attribute": a function called once per optimizer step with a `step`
+    # argument. rundir.Updates.record comes after the update, so the save holds stop_at updates; onefile_train.py
+    # (no lib/) has its lr_at, called before the update: its save holds stop_at - 1.
+    hook: str = "lib.rundir:Updates.record"
 
     def saved_files(self):
         return self.saved or tuple(importlib.import_module(self.script).RUN.saved)
@@ -49,6 +55,24 @@ class Case:
 
 GPT_TINY = [*TINY, "--steps", "4", "--eval-interval", "100", "--save-interval", "100", "--dropout", "0.1"]
 HUGE_BATCH = ["--batch-size", "100000000"]
+# The fine-tuning scripts: 4 steps of 2 x 32 tokens in fp32 (finetune_qlora.py's --dtype auto would time bf16).
+FT_TINY = ["--batch-size", "2", "--eval-batches", "1", "--sample-tokens", "0", "--log-interval", "1", "--steps", "4",
+           "--eval-interval", "100", "--save-interval", "100", "--lora-dropout", "0.1", "--dtype", "fp32"]
+
+
+def base_and_data(tmp, source):
+    """A seeded, untrained GPT of 2 layers, 64 wide, saved as a Hugging Face GPT-2 directory: the base."""
+    from lib import checkpoint, gpt
+
+    torch.manual_seed(0)
+    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    checkpoint.save_hf(str(tmp / "base"), cfg, gpt.to_hf_state_dict(gpt.GPT(cfg)))
+    return ["--init-from", str(tmp / "base"), "--data", source]
+
+
+SPLADE_TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400",
+               "--max-length", "32", "--max-query-length", "16", "--device", "cpu", "--lr", "1e-2", "--warmup-steps", "2",
+               "--steps", "4", "--batch-size", "8", "--log-interval", "1"]
 JUDGE_TINY = ["--model", "tiny", "--device", "cpu", "--max_samples", "24", "--epochs", "1", "--eval_steps", "2",
               "--skip_eval", "--log_interval", "1"]
 HUGE_LORA = ["--lora_r", "100000000"]  # the judge's batches are at most its data: a rank no machine can hold
@@ -58,9 +82,43 @@ CASES = {
     "train": Case("train", GPT_TINY, stop_at=2, weights=("model.safetensors",),
                   bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
                   make_data=lambda tmp, source: ["--data", source]),
+    # Two ranks, and each launch costs seconds: of the saved files, latest.json (the training state), the DCP
+    # metadata and one rank's shard file are truncated in turn (the export is train.py's safetensors check).
+    "train_fsdp": Case("train_fsdp", GPT_TINY, stop_at=2, weights=("model.safetensors",), torchrun=True,
+                       saved=("sharded/latest.json", "sharded/step-000004/.metadata",
+                              "sharded/step-000004/__1_0.distcp"),
+                       bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
+                       make_data=lambda tmp, source: ["--data", source]),
+    # The compact inline contract (no lib/): its saved files and its hook are named here.
+    "onefile_train": Case("onefile_train", [*GPT_TINY[:GPT_TINY.index("--sample-tokens")],
+                                            *GPT_TINY[GPT_TINY.index("--sample-tokens") + 2:]], stop_at=2,
+                          weights=("model.safetensors",), saved=("model.safetensors", "training_state.pt"),
+                          bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
+                          diverge=["--lr", "1e38", "--grad-clip", "0"], hook="onefile_train:lr_at",
+                          make_data=lambda tmp, source: ["--data", source]),
     # --- the fine-tuning scripts -------------------------------------------------------------------
+    # A seeded 2-layer base in the Hugging Face layout; --merge, so that OUT/merged is part of the saved run.
+    "finetune_lora": Case("finetune_lora", [*FT_TINY, "--merge"], stop_at=2,
+                          weights=("adapter_model.safetensors", "merged/model.safetensors"),
+                          bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
+                          diverge=["--lr", "1e38", "--grad-clip", "0"], make_data=base_and_data),
+    "finetune_qlora": Case("finetune_qlora", FT_TINY, stop_at=2, weights=("adapter_model.safetensors",),
+                           bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
+                           diverge=["--lr", "1e38", "--grad-clip", "0"], make_data=base_and_data),
 
     # --- SPLADE --------------------------------------------------------------------------------------
+    # A 2-layer, 64-wide BERT from scratch on 48 synthetic records (tests/test_splade.py: contract_data),
+    # validated on 16 more, so the finished run holds every saved file: the model, best/, the index.
+    "train_splade_unified": Case(
+        "train_splade_unified", SPLADE_TINY, stop_at=2, weights=("model.safetensors",),
+        bad_overwrite=[["--train-file", "/no/such/train.json"], HUGE_BATCH],
+        diverge=["--lambda-q", "1e30", "--lambda-d", "1e30", "--reg-warmup-steps", "0"], out_flag="--output-dir",
+        make_data=lambda tmp, source: importlib.import_module("test_splade").contract_data(tmp)),
+    "train_splade_optimized": Case(
+        "train_splade_optimized", [*SPLADE_TINY, "--batch-size", "4", "--gradient-accumulation-steps", "2"], stop_at=2,
+        weights=("model.safetensors",), bad_overwrite=[["--val-file", "/no/such/val.jsonl"], HUGE_BATCH],
+        diverge=["--lambda-q", "1e30", "--lambda-d", "1e30", "--reg-warmup-steps", "0"], out_flag="--output-dir",
+        make_data=lambda tmp, source: importlib.import_module("test_splade").contract_data(tmp)),
 
     # --- the judge scripts ---------------------------------------------------------------------------
     # The tiny demo base (built once per test session, in its cache), 24 conversations of the embedded set:
@@ -73,7 +131,15 @@ CASES = {
                              out_flag="--output_dir"),
 
     # --- WPO-SGM -------------------------------------------------------------------------------------
-
+    "train_wpo_sgm_memory_efficient": Case(
+        "train_wpo_sgm_memory_efficient",
+        ["--train_samples_size", "200", "--test_samples_size", "40", "--train_kernel_size", "9", "--batch_size", "16",
+         "--depth", "2", "--hiddenunits", "16", "--niters", "4", "--strategy", "chunked", "--chunk_size", "4",
+         "--eval-interval", "2", "--log-interval", "1", "--num-samples", "20"],
+        stop_at=2, weights=("model.safetensors",),
+        bad_overwrite=[["--data", "cifar10", "--data-dir", "/no/such/cifar-10-batches-bin"],
+                       ["--train_samples_size", "10000000000"]],  # 80 GB of samples: no plan fits
+        diverge=["--lr", "1e38", "--grad_clip", "0"]),
 }
 
 
@@ -100,7 +166,10 @@ def run_script(case, out_dir, *extra, data_flags=()):
     argv = [*case.args, *data_flags, case.out_flag, str(out_dir), *extra]
     if case.torchrun:
         proc = torchrun([f"{case.script}.py", *argv])
-        return proc.returncode, proc.stdout + proc.stderr
+        # torchrun itself exits 1 when a worker fails (and stops the others): the first failure's code is in
+        # its report.
+        first = re.search(r"Root Cause.*?exitcode\s*:\s*(-?\d+)", proc.stderr, re.S)
+        return (int(first.group(1)) if first else proc.returncode), proc.stdout + proc.stderr
     module = importlib.import_module(case.script)
     try:
         module.main(argv)
@@ -202,17 +271,23 @@ def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(case, unbrok
         path.write_bytes(whole)
 
 
-def interrupt_after(monkeypatch, updates_done):
+def interrupt_after(monkeypatch, updates_done, hook="lib.rundir:Updates.record"):
     """Ctrl-C once `updates_done` optimizer updates are finished: rundir.Updates.record is called
     after every update, so the save that follows holds exactly those updates."""
-    real = rundir.Updates.record
+    module, attribute = hook.split(":")
+    owner = importlib.import_module(module)
+    for name in attribute.split(".")[:-1]:
+        owner = getattr(owner, name)
+    name = attribute.split(".")[-1]
+    real = getattr(owner, name)
 
-    def record(self, step, skipped):
-        real(self, step, skipped)
-        if step + 1 == updates_done:
+    def record(*args, **kwargs):
+        result = real(*args, **kwargs)
+        if inspect.signature(real).bind(*args, **kwargs).arguments["step"] + 1 == updates_done:
             raise KeyboardInterrupt
+        return result
 
-    monkeypatch.setattr(rundir.Updates, "record", record)
+    monkeypatch.setattr(owner, name, record)
 
 
 def test_ctrl_c_saves_and_resume_continues_exactly(case, unbroken, data_flags, tmp_path, monkeypatch):
@@ -237,7 +312,7 @@ def test_ctrl_c_saves_and_resume_continues_exactly(case, unbroken, data_flags, t
         proc = torchrun([str(helper), *case.args, *flags, case.out_flag, str(out)])
         assert f"interrupted: saved step {case.stop_at}" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     else:
-        interrupt_after(monkeypatch, case.stop_at)
+        interrupt_after(monkeypatch, case.stop_at, case.hook)
         code, _ = run_script(case, out, data_flags=flags)
         assert code == 130
         monkeypatch.undo()

@@ -93,6 +93,8 @@ def test_inverted_index_scores_equal_dot_products():
     s, e = index["term_ptr"][t].item(), index["term_ptr"][t + 1].item()
     assert index["doc_ids"][s:e].tolist() == docs[:, t].nonzero().flatten().tolist()
     assert torch.allclose(unified.score(index, queries, len(docs)), queries @ docs.T, atol=1e-6)
+    in_blocks = unified.build_index(iter([docs[:3], docs[3:4], docs[4:]]))  # as encode_batches gives them
+    assert all(torch.equal(index[key], in_blocks[key]) for key in index)
 
 
 # --- GradCache equals the full batch --------------------------------------------------------------
@@ -231,6 +233,23 @@ def test_not_utf8_and_missing_file(tmp_path, capsys):
         assert piece in capsys.readouterr().err
 
 
+def test_a_byte_order_mark_is_named_and_skipped(tmp_path):
+    """Windows editors start UTF-8 files with a BOM; JSON has no place for one. The reader says so and
+    reads on, and the lines it names in errors are still the file's lines."""
+    rec = {"query": "q one", "positive_document": "doc one", "negative_documents": ["n1"]}
+    for name, text in (("list.json", json.dumps([rec, rec], indent=1)), ("lines.jsonl", f"{json.dumps(rec)}\n" * 2)):
+        path = tmp_path / name
+        path.write_bytes(b"\xef\xbb\xbf" + text.encode())
+        notes = []
+        read = unified.read_examples(str(path), "--train-file", 1, log=notes.append)
+        assert read == [unified.Example("q one", "doc one", ["n1"])] * 2
+        assert len(notes) == 1 and "byte-order mark (BOM)" in notes[0] and str(path) in notes[0]
+    path = tmp_path / "bad.jsonl"
+    path.write_bytes(b"\xef\xbb\xbf" + f"{json.dumps(rec)}\n{{bad\n".encode())
+    with pytest.raises(UserError, match="line 2"):
+        unified.read_examples(str(path), "--train-file", 1, log=lambda *a: None)
+
+
 # --- tiny end-to-end runs -----------------------------------------------------------------------------
 # A retrieval task a 2-layer model learns in a few dozen steps, and that needs more than matching words:
 # a document is six topic words ("t17"); its query names one of them as it is and one by a synonym
@@ -259,14 +278,24 @@ def data_files(tmp_path_factory):
     return str(d / "train.json"), str(d / "val.jsonl")
 
 
+def contract_data(directory):
+    """The data of the SPLADE cases in tests/test_run_contract.py: 48 training and 16 validation records."""
+    train, val = os.path.join(directory, "train.json"), os.path.join(directory, "val.jsonl")
+    with open(train, "w") as f:
+        json.dump(synthetic(48, 0), f)
+    with open(val, "w") as f:
+        f.write("\n".join(json.dumps(r) for r in synthetic(16, 1)))
+    return ["--train-file", train, "--val-file", val]
+
+
 def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, data_files, capsys):
     train, val = data_files
     out = str(tmp_path / "run")
     result = unified.main(["--train-file", train, "--val-file", val, "--out-dir", out, "--epochs", "3",
                            "--batch-size", "16", *TINY])
     assert result["final"]["mrr@10"] > result["first"]["mrr@10"] + 0.1, (result["first"], result["final"])
-    for name in ("config.json", "model.safetensors", "vocab.txt", "tokenizer_config.json", "training_state.pt",
-                 "metrics.jsonl", unified.INDEX_FILE, unified.DOCUMENTS_FILE, "best/model.safetensors"):
+    for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "tokenizer_config.json",
+                 "training_state.pt", "metrics.jsonl", unified.INDEX_FILE, unified.DOCUMENTS_FILE, "best/model.safetensors"):
         assert os.path.isfile(os.path.join(out, name)), name
     assert json.load(open(os.path.join(out, "config.json")))["architectures"] == ["BertForMaskedLM"]
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -285,11 +314,6 @@ def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, dat
     text = capsys.readouterr().out
     assert "top terms" in text and "top 5 of" in text
     assert docs.index(query["positive_document"]) in [i for i, _ in found["results"]]
-
-    # a second fresh run into the same directory is refused
-    with pytest.raises(SystemExit) as e:
-        unified.main(["--train-file", train, "--out-dir", out, *TINY])
-    assert e.value.code == 2 and "--overwrite" in capsys.readouterr().err
 
     # the saved directory is a checkpoint like any Hugging Face one: fine-tune from it
     tuned = unified.main(["--train-file", train, "--val-file", val, "--model-name", out, "--out-dir", str(tmp_path / "ft"),
@@ -310,30 +334,6 @@ def test_optimized_end_to_end_with_gradcache(tmp_path, data_files, capsys):
     assert "rss" in capsys.readouterr().out
 
 
-def test_resume_is_exact(tmp_path, data_files):
-    train, _ = data_files
-    common = ["--train-file", train, "--steps", "6", "--batch-size", "8", *TINY]
-    straight = unified.main([*common, "--out-dir", str(tmp_path / "a")])
-
-    def interrupt(step, record):
-        if step == 2:
-            raise KeyboardInterrupt
-
-    parser = unified.build_parser()
-    argv = [*common, "--out-dir", str(tmp_path / "b")]
-    with pytest.raises(SystemExit) as e:
-        unified.run(parser.parse_args(argv), parser, argv, unified.Variant(after_step=interrupt))
-    assert e.value.code == 130
-    resumed = unified.main([*common, "--out-dir", str(tmp_path / "b"), "--resume"])
-
-    def losses(d):
-        return {r["step"]: r["loss"] for r in map(json.loads, open(os.path.join(d, "metrics.jsonl"))) if "rank_loss" in r}
-    a, b = losses(tmp_path / "a"), losses(tmp_path / "b")
-    assert {3, 4, 5} <= set(b) and all(a[s] == b[s] for s in b), (a, b)  # step 2 ended in the interrupt, before its log line
-    for (name, p), q in zip(straight["model"].state_dict().items(), resumed["model"].state_dict().values()):
-        assert torch.equal(p, q), name
-
-
 def test_resume_refuses_a_contradicting_flag(tmp_path, data_files, capsys):
     train, _ = data_files
     out = str(tmp_path / "r")
@@ -341,6 +341,145 @@ def test_resume_refuses_a_contradicting_flag(tmp_path, data_files, capsys):
     with pytest.raises(SystemExit):
         unified.main(["--train-file", train, "--steps", "2", "--batch-size", "4", "--out-dir", out, "--resume", *TINY])
     assert "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
+
+
+# --- real model directories ---------------------------------------------------------------------------
+REAL = os.path.join(os.path.dirname(__file__), "fixtures", "real", "splade")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_json_only(tmp_path_factory):
+    """A model directory laid out like the real splade-tiny (tests/fixtures/real/splade): its real
+    tokenizer.json and tokenizer_config.json, no vocab.txt; a 2-layer, 64-wide BERT over its 30,522
+    ids stands in for the weights, which stay out of git."""
+    d = tmp_path_factory.mktemp("tokenizer-json-only")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(os.path.join(REAL, name), d / name)
+    torch.manual_seed(0)
+    cfg = bert.BertConfig(vocab_size=30522, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=128, max_position_embeddings=64)
+    bert.save_pretrained(unified.init_lexical(bert.init_weights(bert.build_model(cfg))), cfg, str(d))
+    return str(d)
+
+
+def test_a_tokenizer_json_only_directory_fine_tunes(tmp_path, data_files, tokenizer_json_only):
+    out = str(tmp_path / "ft")
+    result = unified.main(["--model-name", tokenizer_json_only, "--train-file", data_files[0], "--steps", "2",
+                           "--batch-size", "4", "--max-length", "16", "--max-query-length", "8", "--out-dir", out,
+                           "--index", "none", "--device", "cpu", "--log-interval", "1"])
+    assert result["step"] == 2 and "vocab.txt" not in os.listdir(tokenizer_json_only)
+    real = unified.wordpiece.load_tokenizer(tokenizer_json_only)
+    _, saved = unified.load_splade(out)  # the output's tokenizer: tokenizer.json (and vocab.txt) as saved
+    text = "Café déjà vu: the QUICK fox's e-mail, 東京 and [MASK]"
+    assert saved.encode(text) == real.encode(text) and saved.vocab_size == 30522
+    assert json.load(open(os.path.join(out, "tokenizer.json")))["model"]["vocab"] == \
+        json.load(open(os.path.join(REAL, "tokenizer.json")))["model"]["vocab"]
+
+
+def test_the_model_directory_is_checked_before_the_data_is_built(tmp_path, tokenizer_json_only, capsys):
+    """No --train-file: the embedded set takes seconds to build; a broken model directory must stop first."""
+    broken = tmp_path / "broken"
+    shutil.copytree(tokenizer_json_only, broken)
+    (broken / "tokenizer.json").unlink()
+    whole = (broken / "model.safetensors").read_bytes()
+    (broken / "model.safetensors").write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(SystemExit) as e:
+        unified.main(["--model-name", str(broken), "--out-dir", str(tmp_path / "out"), "--device", "cpu"])
+    captured = capsys.readouterr()
+    assert e.value.code == 2 and "data:" not in captured.out, captured.out
+    assert "model.safetensors is truncated" in captured.err and "neither tokenizer.json nor vocab.txt" in captured.err
+
+
+# --- the run contract: what tests/test_run_contract.py does not already cover ---------------------
+def error_of(capsys, main, argv):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), err
+    return err
+
+
+def test_every_update_skipped_saves_nothing_and_says_so(tmp_path, data_files, capsys):
+    """--lambda-q 1e30: the FLOPS term's gradient overflows and every update is skipped. The run must not
+    save, index or exit 0: ten skipped in a row stop it, and a shorter run that applied none says so."""
+    diverge = ["--train-file", data_files[0], "--lambda-q", "1e30", "--lambda-d", "1e30", "--reg-warmup-steps", "0",
+               "--batch-size", "32", *TINY]
+    # 12 steps: the end of the first epoch (step 6) comes in the middle of the skipped updates, and is not saved
+    for steps, message in (("12", "not finite for 10 steps in a row (steps 0 to 9)"), ("3", "no update was applied")):
+        out = tmp_path / steps
+        err = error_of(capsys, unified.main, [*diverge, "--steps", steps, "--out-dir", str(out)])
+        assert message in err, err
+        assert sorted(os.listdir(out)) == ["metrics.jsonl"]  # no model, no state, no index
+        records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+        assert all(r.get("skipped") for r in records if "grad_norm" in r)
+
+
+def test_search_with_damaged_index_files_is_one_line(tmp_path, data_files, capsys):
+    out = tmp_path / "run"
+    unified.main(["--train-file", data_files[0], "--steps", "1", "--batch-size", "8", "--out-dir", str(out), *TINY])
+    search = ["--search", str(out), "--query", "find t3", "--max-query-length", "16"]
+    index, docs = out / unified.INDEX_FILE, out / unified.DOCUMENTS_FILE
+    whole_index, whole_docs = index.read_bytes(), docs.read_bytes()
+    damage = [
+        (index, whole_index[: len(whole_index) // 2], "truncated"),
+        (index, b"garbage, not a safetensors file", "not a safetensors file"),
+        (docs, whole_docs[: len(whole_docs) // 2], "invalid JSON"),
+        (docs, b'["one document"]', "but index.safetensors indexes"),
+        (docs, b'{"a": 1}', "not a JSON list"),
+        (docs, None, "documents.json is missing"),
+    ]
+    for path, content, expected in damage:
+        path.unlink()
+        if content is not None:
+            path.write_bytes(content)
+        err = error_of(capsys, unified.main, search)
+        assert expected in err and str(path.name) in err, err
+        index.write_bytes(whole_index)
+        docs.write_bytes(whole_docs)
+    assert unified.main(search)["results"]  # restored: it searches again
+
+
+def test_a_moved_train_file_resumes_when_its_contents_are_the_same(tmp_path, data_files, capsys):
+    first = tmp_path / "train.json"
+    shutil.copy(data_files[0], first)
+    out = str(tmp_path / "run")
+    common = ["--batch-size", "8", "--index", "none", "--out-dir", out, *TINY]
+    unified.main(["--train-file", str(first), "--steps", "2", *common])
+    moved = tmp_path / "elsewhere.json"
+    first.rename(moved)
+    assert "no longer exists" in error_of(capsys, unified.main, ["--resume", "--steps", "3", *common])
+    other = tmp_path / "other.json"
+    other.write_text(json.dumps(synthetic(48, 5)))
+    assert "the contents differ" in error_of(capsys, unified.main, ["--resume", "--steps", "3", "--train-file",
+                                                                      str(other), *common])
+    result = unified.main(["--resume", "--steps", "3", "--train-file", str(moved), *common])
+    assert result["step"] == 3 and "moved from" in capsys.readouterr().out
+
+
+def test_a_run_saved_with_vocab_txt_only_resumes(tmp_path, data_files, capsys):
+    """Runs saved before tokenizer.json was written have only vocab.txt; either file is a tokenizer."""
+    out = str(tmp_path / "run")
+    common = ["--batch-size", "8", "--index", "none", "--out-dir", out, *TINY]
+    unified.main(["--train-file", data_files[0], "--steps", "1", *common])
+    os.remove(os.path.join(out, "tokenizer.json"))
+    assert unified.main(["--resume", "--steps", "2", *common])["step"] == 2
+    for name in ("tokenizer.json", "vocab.txt"):
+        os.remove(os.path.join(out, name))
+    assert "neither tokenizer.json nor vocab.txt" in error_of(capsys, unified.main, ["--resume", "--steps", "3", *common])
+
+
+def test_memory_advice_fits_the_script(tmp_path, data_files, capsys):
+    """The unified script points to the optimized one; the optimized one names its own flags."""
+    argv = ["--train-file", data_files[0], "--batch-size", "100000000", "--out-dir", str(tmp_path / "m"), *TINY]
+    assert "use train_splade_optimized.py" in error_of(capsys, unified.main, argv)
+    err = error_of(capsys, optimized.main, argv)
+    assert "train_splade_optimized.py" not in err and "--gradient-accumulation-steps 2" in err, err
+    assert not os.path.exists(tmp_path / "m" / "metrics.jsonl")
+
+
+def test_val_file_needs_a_train_file(tmp_path, data_files, capsys):
+    err = error_of(capsys, unified.main, ["--val-file", data_files[1], "--out-dir", str(tmp_path / "v"), *TINY])
+    assert "--val-file goes with --train-file" in err
 
 
 # --- flags ----------------------------------------------------------------------------------------
@@ -371,6 +510,18 @@ def test_estimate_memory_flags(capsys):
     assert sum(cached.values()) < sum(plain.values()) / 2
     assert efficient["encoder activations"] < plain["encoder activations"]
     assert "total (predicted peak)" in capsys.readouterr().out
+
+
+def test_the_estimate_counts_a_validation_batch_larger_than_a_step():
+    cfg = bert.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=256)
+    small = unified.estimate_memory(cfg, 10, batch_size=8, k=1, q_len=16, d_len=32, device_type="cpu", eval_batch=8)
+    assert "validation batch, beyond a step" not in small
+    big = unified.estimate_memory(cfg, 10, batch_size=8, k=1, q_len=16, d_len=32, device_type="cpu", eval_batch=512)
+    step = big["encoder activations"] + big["MLM logits + gradient"]
+    # 512 documents x 32 tokens: fp32 logits over the vocabulary, and 8 x hidden floats a token of temporaries
+    by_hand = 512 * 32 * 1000 * 4 + 512 * 32 * 64 * 4 * 8
+    assert big["validation batch, beyond a step"] == by_hand - step
 
 
 def test_stdlib_default_set_is_split_by_module():

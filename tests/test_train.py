@@ -1,4 +1,5 @@
-"""train.py end to end: learning, exact resume, the HF layout, memory estimate, and user mistakes."""
+"""train.py end to end: learning, exact resume, the HF layout, memory estimate, and user mistakes. Ctrl-C,
+saved runs and damaged files: tests/test_run_contract.py."""
 
 import json
 import os
@@ -50,27 +51,6 @@ def test_resume_gives_the_same_losses_as_an_uninterrupted_run(tmp_path, text_dir
     b = load_file(tmp_path / "split" / "model.safetensors")
     for k in a:
         torch.testing.assert_close(a[k], b[k], rtol=0, atol=1e-6)
-
-
-def test_ctrl_c_saves_and_resumes_exactly(tmp_path, text_dir, monkeypatch):
-    common = ["--steps", "6", "--eval-interval", "100"]
-    run_train(tmp_path / "straight", text_dir, *common)
-    real_get = train.data.Batches.get
-
-    def interrupt_at_step_3(self, step, micro=0, device="cpu"):
-        if step == 3:
-            raise KeyboardInterrupt
-        return real_get(self, step, micro, device)
-
-    monkeypatch.setattr(train.data.Batches, "get", interrupt_at_step_3)
-    with pytest.raises(SystemExit) as exit_info:
-        run_train(tmp_path / "split", text_dir, *common)
-    assert exit_info.value.code == 130
-    assert torch.load(tmp_path / "split" / "training_state.pt", weights_only=True)["step"] == 3
-    monkeypatch.setattr(train.data.Batches, "get", real_get)
-    run_train(tmp_path / "split", text_dir, *common, "--resume")
-    straight, split = step_losses(tmp_path / "straight"), step_losses(tmp_path / "split")
-    assert [split[s] for s in range(6)] == pytest.approx([straight[s] for s in range(6)], abs=1e-6)
 
 
 def test_checkpoint_is_the_transformers_gpt2_layout(tmp_path, text_dir):

@@ -7,6 +7,7 @@ import os
 import struct
 import subprocess
 import sys
+import textwrap
 import zlib
 
 import numpy as np
@@ -15,7 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 import train_wpo_sgm_memory_efficient as w
-from lib import png
+from lib import png, rundir
 from lib.errors import UserError
 from tests.conftest import ROOT, read_metrics, torchrun
 
@@ -93,23 +94,43 @@ def test_online_log_sum_exp_survives_far_apart_components():
 
 
 @pytest.mark.multiprocess
-def test_model_parallel_equals_single_gpu_on_two_ranks(tmp_path):
+def test_model_parallel_equals_single_gpu_on_two_ranks_through_ctrl_c_and_resume(tmp_path):
     common = SMALL + ["--train_kernel_size", "21", "--niters", "4", "--lr", "1e-2", "--eval-interval", "2",
                       "--num-samples", "10"]
     w.main(common + ["--strategy", "single_gpu", "--out-dir", str(tmp_path / "single")])
-    proc = torchrun(["train_wpo_sgm_memory_efficient.py", *common, "--strategy", "model_parallel", "--device", "cpu",
-                     "--chunk_size", "4", "--out-dir", str(tmp_path / "mp")], timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    # Each rank sends itself SIGINT after the same update (2 of 4), as a terminal's Ctrl-C would; the
+    # ranks agree to stop after that step, rank 0 saves, and a plain --resume under torchrun continues.
+    helper = tmp_path / "ctrl_c.py"
+    helper.write_text(textwrap.dedent(f"""
+        import os, signal, sys
+        sys.path.insert(0, {ROOT!r})
+        from lib import rundir
+        real = rundir.Updates.record
+        def record(self, step, skipped):
+            real(self, step, skipped)
+            if step + 1 == 2:
+                os.kill(os.getpid(), signal.SIGINT)
+        rundir.Updates.record = record
+        import train_wpo_sgm_memory_efficient
+        train_wpo_sgm_memory_efficient.main(sys.argv[1:])
+    """))
+    mp = tmp_path / "mp"
+    proc = torchrun([str(helper), *common, "--strategy", "model_parallel", "--device", "cpu", "--chunk_size", "4",
+                     "--out-dir", str(mp)], timeout=180)
+    assert "interrupted: saved step 2" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert "model_parallel, 2 ranks x 11 centres, chunk 4" in proc.stdout
-    single, mp = read_metrics(tmp_path / "single"), read_metrics(tmp_path / "mp")
-    steps = [(r, s) for r, s in zip(mp, single) if "loss" in r and "step" in r and "event" not in r]
-    assert len(steps) == 4
-    for r, s in steps:  # the same loss and the same (summed) gradient norm, step by step
-        assert r["loss"] == pytest.approx(s["loss"], rel=1e-5, abs=1e-5)
-        assert r["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-5)
-    tests = [r["test_loss"] for r in mp if "test_loss" in r and "event" not in r]
+    proc = torchrun(["train_wpo_sgm_memory_efficient.py", "--resume", "--out-dir", str(mp)], timeout=180)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "resuming from step 2 of 4" in proc.stdout and "changed" not in proc.stdout
+    single, parallel = read_metrics(tmp_path / "single"), read_metrics(mp)
+    losses = {r["step"]: r for r in parallel if "loss" in r and "event" not in r}
+    assert sorted(losses) == [0, 1, 2, 3]
+    for s in (r for r in single if "loss" in r and "event" not in r):  # the same loss and gradient norm, step by step
+        assert losses[s["step"]]["loss"] == pytest.approx(s["loss"], rel=1e-5, abs=1e-5)
+        assert losses[s["step"]]["grad_norm"] == pytest.approx(s["grad_norm"], rel=1e-5)
+    tests = [r["test_loss"] for r in parallel if "test_loss" in r and "event" not in r]
     assert tests == pytest.approx([r["test_loss"] for r in single if "test_loss" in r and "event" not in r], rel=1e-5)
-    a, b = load_file(tmp_path / "single" / "model.safetensors"), load_file(tmp_path / "mp" / "model.safetensors")
+    a, b = load_file(tmp_path / "single" / "model.safetensors"), load_file(mp / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=1e-5)
 
@@ -126,6 +147,60 @@ def test_exact_sampling_has_the_mixture_mean_and_covariance_for_one_centre():
     assert torch.all((x.mean(0) - centre[0]).abs() < 5 * sd / math.sqrt(len(x)))
     torch.testing.assert_close(torch.cov(x.T), cov, rtol=0.03, atol=0.03 * float(cov.abs().max()))
     assert not torch.allclose(cov, cov.diagonal().diag(), atol=0.05 * float(cov.abs().max()))  # a full covariance
+
+
+def test_sampling_per_centre_matches_each_component():
+    # Three centres far apart (their draws cannot be confused): each gets about n/3 of the draws,
+    # with its own mean and covariance P_k^-1, formed here by inverting P_k directly.
+    d, eps, n = 3, 0.05, 60_000
+    net = random_model(d, seed=5)
+    centres = torch.tensor([[0.0, 0.0, 0.0], [60.0, 0.0, 0.0], [0.0, -60.0, 30.0]])
+    with torch.no_grad():
+        L = w.factor_matrices(net(centres), d).double()
+    covs = torch.linalg.inv(L @ L.mT + eps * torch.eye(d, dtype=torch.float64))
+    x = w.sample(net, centres, eps, n, seed=1).double()
+    nearest = torch.cdist(x, centres.double()).argmin(1)
+    for k in range(3):
+        mine = x[nearest == k]
+        assert abs(len(mine) - n / 3) < 5 * math.sqrt(n * (1 / 3) * (2 / 3)), (k, len(mine))
+        sd = covs[k].diagonal().sqrt()
+        assert torch.all((mine.mean(0) - centres[k]).abs() < 5 * sd / math.sqrt(len(mine))), k
+        torch.testing.assert_close(torch.cov(mine.T), covs[k], rtol=0.04, atol=0.04 * float(covs[k].abs().max()))
+    assert not torch.allclose(covs[0], covs[1], rtol=0.1)  # the components really differ
+
+
+def test_grouped_sampling_gives_the_draws_of_one_factorisation_per_draw():
+    # The earlier sample() factorised P_k once per draw; grouping by centre must not change a draw.
+    d, eps, n, seed = 4, 0.02, 300, 7
+    net = random_model(d, seed=2)
+    centres = torch.randn(6, d) * 3
+    g = torch.Generator().manual_seed(seed)
+    k = torch.randint(len(centres), (n,), generator=g)
+    z = torch.randn(n, d, generator=g)
+    with torch.no_grad():
+        L = w.factor_matrices(net(centres[k]), d)  # [n, D, D]: one per draw
+        C = torch.linalg.cholesky(L @ L.mT + eps * torch.eye(d))
+        reference = centres[k] + torch.linalg.solve_triangular(C.mT, z[..., None], upper=True)[..., 0]
+    torch.testing.assert_close(w.sample(net, centres, eps, n, seed), reference, rtol=1e-5, atol=1e-5)
+
+
+def test_long_phases_print_progress(tmp_path, monkeypatch):
+    monkeypatch.setattr(w.Progress, "EVERY", 0.0)  # a line at every chance, as a slow phase would print
+    lines = []
+    w.sample(random_model(2), torch.randn(3, 2), 0.01, 30, seed=0, log=lines.append)
+    assert [line.split(",")[0] for line in lines] == ["sampling 30 draws: 1/3 centres", "sampling 30 draws: 2/3 centres"]
+    assert all("ETA" in line for line in lines)
+    lines.clear()
+    write_cifar(tmp_path / "data_batch_1.bin", 3)
+    write_cifar(tmp_path / "data_batch_2.bin", 3)
+    w.load_cifar(str(tmp_path), 6, 0, 8, log=lines.append)
+    assert lines[0].startswith("data: reading CIFAR-10: 1/2 files") and "6 training images" in lines[1]
+    lines.clear()
+    net, x, centres = random_model(2), torch.randn(10, 2), torch.randn(4, 2)
+    loss = w.test_loss(net, x, centres, 0.01, w.Plan("single_gpu"), 4, lines.append)  # batches of 4, 4 and 2
+    assert [line.split(",")[0] for line in lines] == ["test loss: 4/10 samples", "test loss: 8/10 samples"]
+    with torch.no_grad():
+        assert loss == pytest.approx(w.score_matching_loss(net, x, centres, 0.01).item(), rel=1e-5)  # the mean over all 10
 
 
 # --- CIFAR-10, binary version --------------------------------------------------------------------
@@ -216,7 +291,7 @@ def test_original_cifar_arithmetic():
     # The original's README: "Precision matrices: 36.00 GB" at K = 1000 on CIFAR-10 (D = 3072), fp32.
     assert 1000 * 3072 * 3072 * 4 / 1e9 == pytest.approx(37.7, abs=0.1)
     est = w.estimate_memory(w.Shape(3072, 1000, 8, 50000, 5, 64), w.Plan("single_gpu"))
-    factors = [v for k, v in est.items() if k.startswith("factors")][0]
+    factors = [v for k, v in est.items() if k.startswith("step: factors")][0]
     assert factors == 6 * 1000 * 3072 * 3072 * 4  # six D x D copies per centre, not one
     chunked = w.estimate_memory(w.Shape(3072, 1000, 8, 50000, 5, 64), w.Plan("chunked", 4))
     assert sum(chunked.values()) < sum(est.values()) / 20
@@ -241,6 +316,18 @@ def test_memory_estimate_within_25_percent_of_measured_peak_rss():
         # Stricter, and what makes the test able to fail: the part above the baseline, the model's own.
         assert r["peak_above_baseline"] > 50 * 2**20, r
         assert abs(r["estimate_above_baseline"] - r["peak_above_baseline"]) <= 0.25 * r["peak_above_baseline"], r
+
+
+def test_sampling_memory_estimate_within_25_percent_of_measured_peak_rss():
+    # One centre's D x D factors (D = 1024: 4 MiB each) and 4,000 draws with their noise (32 MiB).
+    cfg = {"dim": 1024, "centres": 3, "num_samples": 4000}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
+    proc = subprocess.run([sys.executable, "bench/wpo_sgm.py", "--sampling", json.dumps(cfg)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.splitlines()[-1])
+    assert r["peak_above_before"] > 40 * 2**20, r
+    assert abs(r["estimate"] - r["peak_above_before"]) <= 0.25 * r["peak_above_before"], r
 
 
 # --- end to end -----------------------------------------------------------------------------------
@@ -271,34 +358,78 @@ def test_8gaussians_learns_and_samples_land_on_the_modes(tmp_path):
     assert records[0]["seed"] == 0 and records[-1]["event"] == "end" and result["peak_memory"] > 0
 
 
-def test_resume_and_ctrl_c_continue_exactly(tmp_path, monkeypatch):
-    common = SMALL + ["--niters", "6", "--strategy", "chunked", "--chunk_size", "7"]
-    w.main(common + ["--out-dir", str(tmp_path / "straight")])
-    real = w.forward_backward
+def test_resume_keeps_the_saved_flags_and_may_change_the_strategy(tmp_path, monkeypatch, capsys):
+    """Issue 14's WPO-SGM cases: a plain --resume after Ctrl-C keeps --niters, --data, --seed, --depth,
+    --hiddenunits, --batch_size, --lr and --strategy; --niters may grow without resetting the rest; the
+    strategy may change (every strategy computes the same loss: the run continues exactly); a fixed flag
+    with another value is refused. (The contract test covers the rest: tests/test_run_contract.py.)"""
+    saved = ["--data", "moons", "--seed", "3", "--depth", "3", "--hiddenunits", "32", "--batch_size", "64",
+             "--lr", "1e-2", "--strategy", "chunked", "--chunk_size", "5", "--train_samples_size", "300",
+             "--test_samples_size", "50", "--train_kernel_size", "12", "--niters", "6", "--log-interval", "1",
+             "--num-samples", "10"]
+    w.main(saved + ["--out-dir", str(tmp_path / "straight")])
+    real = rundir.Updates.record
 
-    def interrupt_at_step_3(net, x, centres, eps, plan):
-        interrupt_at_step_3.calls += 1
-        if interrupt_at_step_3.calls == 4:
+    def record(self, step, skipped):  # Ctrl-C once 3 updates are done
+        real(self, step, skipped)
+        if step == 2:
             raise KeyboardInterrupt
-        return real(net, x, centres, eps, plan)
 
-    interrupt_at_step_3.calls = 0
-    monkeypatch.setattr(w, "forward_backward", interrupt_at_step_3)
+    monkeypatch.setattr(rundir.Updates, "record", record)
+    split = str(tmp_path / "split")
     with pytest.raises(SystemExit) as e:
-        w.main(common + ["--out-dir", str(tmp_path / "split")])
+        w.main(saved + ["--out-dir", split])
     assert e.value.code == 130
-    monkeypatch.setattr(w, "forward_backward", real)
-    # Resume with another strategy: every strategy computes the same loss.
-    w.main(common[:-4] + ["--strategy", "gradient_accumulation", "--accumulation_steps", "3", "--resume",
-                          "--out-dir", str(tmp_path / "split")])
+    monkeypatch.setattr(rundir.Updates, "record", real)
+    capsys.readouterr()
+    # Only --resume, and another strategy: nothing else is given, so nothing else changes.
+    w.main(["--resume", "--strategy", "gradient_accumulation", "--accumulation_steps", "3", "--out-dir", split])
+    out = capsys.readouterr().out
+    assert "--resume: --strategy changed from chunked to gradient_accumulation" in out
+    assert "changed" not in out.replace("--strategy changed", "").replace("--accumulation-steps changed", ""), out
+    assert "resuming from step 3 of 6" in out and "moons, 300 training" in out and "factornet 3 x 32" in out
     straight = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "straight") if "loss" in r and "event" not in r}
-    split = {r["step"]: r["loss"] for r in read_metrics(tmp_path / "split") if "loss" in r and "event" not in r}
-    assert sorted(split) == list(range(6))
+    resumed = {r["step"]: r["loss"] for r in read_metrics(split) if "loss" in r and "event" not in r}
+    assert sorted(resumed) == list(range(6))
     for step in range(6):
-        assert split[step] == pytest.approx(straight[step], rel=1e-5, abs=1e-6), step
+        assert resumed[step] == pytest.approx(straight[step], rel=1e-5, abs=1e-6), step
     a, b = load_file(tmp_path / "straight" / "model.safetensors"), load_file(tmp_path / "split" / "model.safetensors")
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-5, atol=1e-6)
+    # More steps: --lr and the strategy stay the saved run's (the saved strategy is now the last one used).
+    w.main(["--resume", "--niters", "8", "--out-dir", split])
+    out = capsys.readouterr().out
+    assert "--niters changed from 6 to 8" in out and "--lr" not in out and "plan: gradient_accumulation" in out
+    lrs = {r["step"]: r["lr"] for r in read_metrics(split) if "lr" in r}
+    assert lrs[7] == pytest.approx(w.lr_at(7, 8, 1e-2, "one_cycle"))
+    for flags, expected in [(["--batch_size", "128"], "--batch-size 128 contradicts the saved run (--batch-size 64)"),
+                            (["--data", "8gaussians"], "--data 8gaussians contradicts the saved run (--data moons)"),
+                            (["--depth", "5"], "--depth 5 contradicts the saved run (--depth 3)")]:
+        with pytest.raises(SystemExit) as e:
+            w.main(["--resume", "--niters", "9", *flags, "--out-dir", split])
+        err = capsys.readouterr().err.strip()
+        assert e.value.code == 2 and expected in err and len(err.splitlines()) == 1, err
+
+
+def test_ctrl_c_while_sampling_keeps_the_saved_model_and_resume_draws_the_samples(tmp_path, monkeypatch, capsys):
+    out = str(tmp_path / "run")
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(w, "sample", interrupted)
+    with pytest.raises(SystemExit) as e:
+        w.main(SMALL + ["--niters", "3", "--out-dir", out])
+    assert e.value.code == 130 and "interrupted: saved step 3" in capsys.readouterr().err
+    assert checkpoint_step(out) == 3 and not os.path.exists(os.path.join(out, "samples.npy"))
+    monkeypatch.undo()
+    w.main(["--resume", "--out-dir", out])  # nothing left to train: the test loss and the samples
+    assert checkpoint_step(out) == 3 and np.load(os.path.join(out, "samples.npy")).shape == (200, 2)
+    assert sorted(r["step"] for r in read_metrics(out) if "loss" in r and "event" not in r) == [0, 1, 2]
+
+
+def checkpoint_step(out):
+    return torch.load(os.path.join(out, "training_state.pt"), weights_only=True)["step"]
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
@@ -330,15 +461,6 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         assert e.value.code == 2, argv
         assert expected in err, (argv, err)
         assert len(err.splitlines()) == 1 or err.startswith("usage:"), err  # argparse prints usage, then one line
-    out = tmp_path / "run"
-    w.main(SMALL + ["--niters", "1", "--out-dir", str(out)])
-    capsys.readouterr()
-    for argv, expected in [([], "already holds a saved run"), (["--resume", "--train_kernel_size", "30"],
-                                                               "--train-kernel-size 30 contradicts the saved run")]:
-        with pytest.raises(SystemExit) as e:
-            w.main(SMALL + ["--niters", "2", "--out-dir", str(out), *argv])
-        err = capsys.readouterr().err.strip()
-        assert e.value.code == 2 and expected in err and len(err.splitlines()) == 1, err
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
