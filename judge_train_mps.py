@@ -532,6 +532,66 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     return estimate
 
 
+def estimate_for(cfg, recipe: Recipe, args, r: int, train_enc: list, val_enc: list, test_prompts: list) -> dict:
+    """The estimate for these data: every batch is padded to its longest conversation, so the longest
+    conversation the run will see, in a full batch, is the step that needs the most memory; the test
+    evaluation generates for 16 prompts at a time. Lists left empty (no tokenizer at hand for
+    --estimate-memory) assume --max_seq_length everywhere."""
+    longest = max((len(ids) for ids, _ in train_enc + val_enc), default=args.max_seq_length)
+    rows = min(args.batch_size, len(train_enc) or args.batch_size)
+    generation = None
+    if not args.skip_eval or args.baseline_eval:
+        prompt = max((len(ids) for ids in test_prompts), default=args.max_seq_length)
+        generation = (min(16, len(test_prompts) or args.test_samples or 16), prompt + args.max_new_tokens)
+    return estimate_memory(cfg, rows, longest, recipe.device.type, recipe.base, 4 if recipe.amp is None else 2, r,
+                           recipe.optimizer, recipe.checkpointing, generation, runtime_bytes(recipe.device))
+
+
+def runtime_bytes(device):
+    """On a CPU the peak RSS counts everything the process holds, so what it holds before the model is
+    loaded (Python, torch, the tokenizer, the data) is measured rather than assumed. torch's optimizers
+    import torch._dynamo (and sympy) on first use, about 70 MiB: it is imported first, so it counts."""
+    if device.type != "cpu":
+        return None
+    import torch._dynamo  # noqa: F401
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:  # not Linux: the peak so far is the nearest figure
+        return devices.peak_memory_bytes(device)
+
+
+def print_estimate(args, recipe: Recipe, train_set, val_set, test_set, log=print) -> dict:
+    """--estimate-memory: config.json (a built-in copy for the named models, so it works before any
+    download) and, where it is at hand, the tokenizer, to measure the data; nothing is written."""
+    if args.model == TINY:
+        built = os.path.join(args.cache_dir, TINY_VERSION)
+        model_dir = built if os.path.isfile(os.path.join(built, "model.safetensors")) else None
+        cfg = llama.read_config(built) if model_dir else llama.LlamaConfig(vocab_size=640, **TINY_SHAPE)
+    else:
+        cfg = llama.config_for_estimate(args.model, args.cache_dir)
+        cached = os.path.join(args.cache_dir, "hub", args.model.replace("/", "--"), "main")
+        model_dir = args.model if os.path.isdir(args.model) else cached if os.path.isdir(cached) else None
+    train_enc, val_enc, test_prompts = [], [], []
+    tokenizer_files = ("tokenizer.json", "vocab.json", "tokenizer.model")
+    if model_dir and any(os.path.isfile(os.path.join(model_dir, name)) for name in tokenizer_files):
+        tok = chat_tokenizer.load_tokenizer(model_dir)
+        train_enc, val_enc = ([encode_conversation(tok, c, args.max_seq_length) for c in split]
+                              for split in (train_set, val_set))
+        test_prompts = [tok.encode(tok.apply_chat_template(c[:-1], add_generation_prompt=True)) for c in test_set]
+    r = args.lora_r or lora_rank_for(count_params(cfg))[0]
+    estimate = estimate_for(cfg, recipe, args, r, train_enc, val_enc, test_prompts)
+    n = count_params(cfg)
+    longest = max((len(ids) for ids, _ in train_enc + val_enc), default=None)
+    log(f"{args.model}: {f'{n / 1e9:.3f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters, LoRA r={r} on "
+        f"{', '.join(LORA_TARGETS)}; base {recipe.base}, {recipe.optimizer}, batch {args.batch_size} x "
+        + (f"{longest} tokens (the longest conversation of the data)" if longest else
+           f"{args.max_seq_length} tokens (--max_seq_length: the tokenizer is not at hand to measure the data)")
+        + f"{', gradient checkpointing' if recipe.checkpointing else ''}, {recipe.device.type}")
+    log(format_table(estimate))
+    return {"estimate": estimate}
+
+
 # --- 4. the optimiser and the schedule --------------------------------------------------------------
 def schedule(args, n_train: int) -> tuple:
     """(steps per epoch, total steps, warmup steps): warmup is at most a tenth of the run; then the
@@ -947,66 +1007,6 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
              peak_memory=peak, memory_estimate=sum(estimate.values()))
     result.update(peak_memory=peak)
     return result
-
-
-def estimate_for(cfg, recipe: Recipe, args, r: int, train_enc: list, val_enc: list, test_prompts: list) -> dict:
-    """The estimate for these data: every batch is padded to its longest conversation, so the longest
-    conversation the run will see, in a full batch, is the step that needs the most memory; the test
-    evaluation generates for 16 prompts at a time. Lists left empty (no tokenizer at hand for
-    --estimate-memory) assume --max_seq_length everywhere."""
-    longest = max((len(ids) for ids, _ in train_enc + val_enc), default=args.max_seq_length)
-    rows = min(args.batch_size, len(train_enc) or args.batch_size)
-    generation = None
-    if not args.skip_eval or args.baseline_eval:
-        prompt = max((len(ids) for ids in test_prompts), default=args.max_seq_length)
-        generation = (min(16, len(test_prompts) or args.test_samples or 16), prompt + args.max_new_tokens)
-    return estimate_memory(cfg, rows, longest, recipe.device.type, recipe.base, 4 if recipe.amp is None else 2, r,
-                           recipe.optimizer, recipe.checkpointing, generation, runtime_bytes(recipe.device))
-
-
-def runtime_bytes(device):
-    """On a CPU the peak RSS counts everything the process holds, so what it holds before the model is
-    loaded (Python, torch, the tokenizer, the data) is measured rather than assumed. torch's optimizers
-    import torch._dynamo (and sympy) on first use, about 70 MiB: it is imported first, so it counts."""
-    if device.type != "cpu":
-        return None
-    import torch._dynamo  # noqa: F401
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: the peak so far is the nearest figure
-        return devices.peak_memory_bytes(device)
-
-
-def print_estimate(args, recipe: Recipe, train_set, val_set, test_set, log=print) -> dict:
-    """--estimate-memory: config.json (a built-in copy for the named models, so it works before any
-    download) and, where it is at hand, the tokenizer, to measure the data; nothing is written."""
-    if args.model == TINY:
-        built = os.path.join(args.cache_dir, TINY_VERSION)
-        model_dir = built if os.path.isfile(os.path.join(built, "model.safetensors")) else None
-        cfg = llama.read_config(built) if model_dir else llama.LlamaConfig(vocab_size=640, **TINY_SHAPE)
-    else:
-        cfg = llama.config_for_estimate(args.model, args.cache_dir)
-        cached = os.path.join(args.cache_dir, "hub", args.model.replace("/", "--"), "main")
-        model_dir = args.model if os.path.isdir(args.model) else cached if os.path.isdir(cached) else None
-    train_enc, val_enc, test_prompts = [], [], []
-    tokenizer_files = ("tokenizer.json", "vocab.json", "tokenizer.model")
-    if model_dir and any(os.path.isfile(os.path.join(model_dir, name)) for name in tokenizer_files):
-        tok = chat_tokenizer.load_tokenizer(model_dir)
-        train_enc, val_enc = ([encode_conversation(tok, c, args.max_seq_length) for c in split]
-                              for split in (train_set, val_set))
-        test_prompts = [tok.encode(tok.apply_chat_template(c[:-1], add_generation_prompt=True)) for c in test_set]
-    r = args.lora_r or lora_rank_for(count_params(cfg))[0]
-    estimate = estimate_for(cfg, recipe, args, r, train_enc, val_enc, test_prompts)
-    n = count_params(cfg)
-    longest = max((len(ids) for ids, _ in train_enc + val_enc), default=None)
-    log(f"{args.model}: {f'{n / 1e9:.3f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'} parameters, LoRA r={r} on "
-        f"{', '.join(LORA_TARGETS)}; base {recipe.base}, {recipe.optimizer}, batch {args.batch_size} x "
-        + (f"{longest} tokens (the longest conversation of the data)" if longest else
-           f"{args.max_seq_length} tokens (--max_seq_length: the tokenizer is not at hand to measure the data)")
-        + f"{', gradient checkpointing' if recipe.checkpointing else ''}, {recipe.device.type}")
-    log(format_table(estimate))
-    return {"estimate": estimate}
 
 
 # --- the offline demo's base: --model tiny ---------------------------------------------------------------
