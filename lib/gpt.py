@@ -13,6 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lib import lm_loss
+
 
 @dataclass
 class GPTConfig:
@@ -131,7 +133,8 @@ class GPT(nn.Module):
             n -= self.transformer.wpe.weight.numel()
         return n
 
-    def forward(self, idx, targets=None):
+    def hidden_states(self, idx):
+        """The final hidden states [B, T, n_embd] (after ln_f): what the LM head turns into logits."""
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence of length {T} exceeds block_size {self.config.block_size}")
@@ -139,19 +142,31 @@ class GPT(nn.Module):
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
             x = block(x)
-        logits = self.lm_head(self.transformer.ln_f(x))
+        return self.transformer.ln_f(x)
+
+    def forward(self, idx, targets=None, logits_to_keep=0):
+        """(logits [B, T, vocab], None) without targets; (None, mean loss) with targets [B, T].
+
+        With targets no logits are made at all: lib/lm_loss computes the cross-entropy chunk by chunk
+        from the hidden states and the head weight (the [B, T, vocab] logits are a small GPT's largest
+        tensor: 206 MB for the tiny default). The pair keeps `model(x, y)[1]` working everywhere.
+        logits_to_keep > 0 returns the logits of the last that many positions only (generation).
+        """
+        x = self.hidden_states(idx)
         if targets is None:
-            return logits, None
-        # Cross-entropy in fp32 even under autocast: log-softmax over 50k classes needs the range.
-        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+            return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x), None
+        if type(self.lm_head) is not nn.Linear:  # a LoRA-wrapped head (--lora-targets lm_head): the plain way
+            return None, lm_loss.logits_cross_entropy(self.lm_head(x), targets)
+        return None, lm_loss.linear_cross_entropy(x, self.lm_head.weight, targets)
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):
         """Sample max_new_tokens tokens after idx ([B, T] token ids); returns [B, T + max_new_tokens]."""
         for _ in range(max_new_tokens):
             idx_cond = idx[:, -self.config.block_size :]
-            logits, _ = self(idx_cond)
+            # Only the last position's logits are needed: [B, 1, vocab], not [B, T, vocab]. (Through
+            # forward, not hidden_states: FSDP2 gathers the root's parameters in forward's hook.)
+            logits, _ = self(idx_cond, logits_to_keep=1)
             logits = logits[:, -1, :].float()
             if temperature == 0:
                 next_id = logits.argmax(dim=-1, keepdim=True)

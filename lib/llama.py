@@ -22,7 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from lib import hub
+from lib import hub, lm_loss
 from lib.checkpoint import SAFETENSORS_DTYPES, read_safetensors_header, read_tensor
 from lib.errors import UserError
 from lib.nf4 import LinearNF4, replace_submodule
@@ -307,7 +307,8 @@ def attention_mask_4d(attention_mask: torch.Tensor | None, t: int, past: int, de
 
 
 class Llama(nn.Module):
-    """LlamaForCausalLM / Qwen2ForCausalLM: forward(input_ids) -> logits [B, T, vocab]."""
+    """LlamaForCausalLM / Qwen2ForCausalLM: forward(input_ids) -> logits [B, T, vocab];
+    forward(input_ids, labels=labels) -> the next-token loss, without the logits."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -333,10 +334,9 @@ class Llama(nn.Module):
             self._inv_freq[key] = rope_inv_freq(self.config, device)
         return self._inv_freq[key]
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                kv_cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
-                logits_to_keep: int = 0) -> torch.Tensor:
-        """Logits [B, T, vocab] (the last `logits_to_keep` positions if > 0), in the compute dtype.
+    def hidden_states(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                      kv_cache: KVCache | None = None, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """The final hidden states [B, T, hidden] (after model.norm): what lm_head turns into logits.
 
         attention_mask [B, past + T] (1 = token, 0 = padding) is only needed when a padded row
         has real tokens after padding (left padding); right-padded training batches are causal
@@ -358,7 +358,23 @@ class Llama(nn.Module):
                 x = checkpoint(layer, x, cos, sin, mask, kv_cache, use_reentrant=False)
             else:
                 x = layer(x, cos, sin, mask, kv_cache)
-        x = self.model.norm(x)
+        return self.model.norm(x)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                kv_cache: KVCache | None = None, position_ids: torch.Tensor | None = None,
+                logits_to_keep: int = 0, labels: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, T, vocab] (the last `logits_to_keep` positions if > 0), in the compute dtype.
+
+        With labels [B, T] it returns the loss instead, as transformers' `.loss`: the mean next-token
+        cross-entropy (position t predicts labels[:, t + 1]; -100 is ignored; 0 when nothing counts),
+        computed chunk by chunk by lib/lm_loss without making the [B, T, vocab] logits (622 MB in
+        fp32 for 2 x 512 tokens of Qwen2's 151,936-word vocabulary). See hidden_states for the rest.
+        """
+        x = self.hidden_states(input_ids, attention_mask, kv_cache, position_ids)
+        if labels is not None:
+            if type(self.lm_head) is not nn.Linear:  # an adapted or quantised head: the plain way
+                return lm_loss.logits_cross_entropy(self.lm_head(x)[:, :-1], labels[:, 1:])
+            return lm_loss.causal_lm_loss(x, self.lm_head.weight, labels)
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(x)

@@ -3,13 +3,15 @@
 Used by every script's --estimate-memory. The one idea: training memory is a short sum.
 Weights, gradients and optimizer state scale with the parameter count (4 + 4 + 8 bytes per
 parameter for fp32 AdamW); activations scale with batch x sequence x width x layers, because
-backward needs what forward computed; the logits (batch x sequence x 50,257) are often the
-single largest activation of a small GPT. Add what the runtime itself occupies and you have it.
+backward needs what forward computed. The logits (batch x sequence x 50,257) would be a small
+GPT's largest tensor, but lib/lm_loss never makes them: only one chunk of rows at a time
+(lm_loss_bytes). Add what the runtime itself occupies and you have it.
 """
 
 import torch
 
 from lib.gpt import Block, GPTConfig
+from lib.lm_loss import default_chunk_size
 from lib.metrics import format_bytes
 
 # What the process holds before the model exists: the CPU figure is the resident set of Python
@@ -40,7 +42,8 @@ def activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool
 
 
 def logits_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool = False) -> int:
-    """The [B, T, vocab] logits, their fp32 log-softmax for the loss, and the gradients in backward.
+    """What the plain loss, F.cross_entropy over the whole [B, T, vocab] logits, would hold: no
+    estimate uses it since lib/lm_loss; kept to show what the chunked loss saves (docs, bench).
 
     fp32: logits, log-probabilities, their gradient and the logits' gradient, 16 bytes per value
     (measured on CPU: 16.2). Under 16-bit autocast, by count: 16-bit logits, their fp32 copy,
@@ -48,6 +51,34 @@ def logits_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool = F
     """
     per_value = (2 + 4 + 4 + 4 + 2) if amp else (4 + 4 + 4 + 4)
     return batch_size * block_size * cfg.vocab_size * per_value
+
+
+def lm_loss_bytes(tokens: int, vocab_size: int, hidden_size: int, chunk_size: int | None = None,
+                  compute_bytes: int = 4, train_head: bool = True, hidden_bytes: int = 4) -> int:
+    """What lib/lm_loss.linear_cross_entropy adds at its peak, for any model (GPT, Llama, ...).
+
+    tokens: rows of the loss (batch x sequence); compute_bytes: 4 in fp32, 2 under 16-bit autocast
+    or for a 16-bit model; train_head: the head weight gets a gradient; hidden_bytes: the dtype of the
+    hidden states. Counted: one chunk's logits in fp32, plus under 16 bits the 16-bit matmul output
+    or gradient beside it (6 bytes a value); d_hidden [tokens, hidden], made in forward and handed to
+    backward; and, for a trained head under 16 bits, the 16-bit copy of the weight and the 16-bit
+    partial d_W of a chunk. The fp32 d_W itself becomes the head's gradient: count it with the
+    gradients (as estimate_gpt_training does), not here.
+    """
+    rows = min(tokens, chunk_size or default_chunk_size(vocab_size, hidden_size))
+    chunk = rows * vocab_size * (4 if compute_bytes >= 4 else 4 + compute_bytes)
+    d_hidden = tokens * hidden_size * hidden_bytes
+    head_copies = 2 * vocab_size * hidden_size * compute_bytes if train_head and compute_bytes < 4 else 0
+    return chunk + d_hidden + head_copies
+
+
+def gpt_loss_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool = False, train_head: bool = True) -> int:
+    """lm_loss_bytes for a GPT batch: the tied head is the embedding, the hidden states are fp32."""
+    return lm_loss_bytes(batch_size * block_size, cfg.vocab_size, cfg.n_embd, compute_bytes=2 if amp else 4,
+                         train_head=train_head)
+
+
+LOSS_LABEL = "loss (one chunk of logits)"
 
 
 def estimate_gpt_training(cfg: GPTConfig, n_params: int, batch_size: int, block_size: int,
@@ -63,7 +94,10 @@ def estimate_gpt_training(cfg: GPTConfig, n_params: int, batch_size: int, block_
         "gradients (fp32)": int(n_params * 4),
         "AdamW moments (2 x fp32)": int(n_params * 8),
         "activations": activation_bytes(cfg, batch_size, block_size, amp, checkpointing),
-        "logits + loss": logits_bytes(cfg, batch_size, block_size, amp),
+        LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, amp),
+        # The embedding's backward makes a dense [vocab, n_embd] gradient, which autograd adds to the
+        # tied head's: for a moment the tied weight has two gradients.
+        "tied embedding's second gradient": cfg.vocab_size * cfg.n_embd * 4,
         "runtime baseline": RUNTIME_BASELINE.get(device_type, 0),
     }
     if ddp:
@@ -117,7 +151,7 @@ def estimate_fsdp_training(cfg: GPTConfig, n_params: int, batch_size: int, block
         gathered_label: gathered * compute_bytes,
         unsharded_label: unsharded * 4,
         "activations": activation_bytes(cfg, batch_size, block_size, mixed_precision, checkpointing),
-        "logits + loss": logits_bytes(cfg, batch_size, block_size, mixed_precision),
+        LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, mixed_precision),
         "runtime baseline": RUNTIME_BASELINE.get(device_type, 0),
     }
 
@@ -218,7 +252,7 @@ def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, d
         f"LoRA gradients ({lora_name})": n_lora * lora_bytes,
         f"AdamW moments (2 x {lora_name})": 2 * n_lora * lora_bytes,
         "activations": lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout),
-        "logits + loss": logits_bytes(cfg, batch_size, block_size, amp),
+        LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, amp, train_head=False),
     }
     if amp:
         estimate["autocast copy of the tied LM head"] = cfg.vocab_size * C * 2

@@ -174,6 +174,64 @@ def test_gradient_checkpointing_gives_the_same_gradients_and_lora_finds_the_proj
     assert "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight" in keys
 
 
+@pytest.mark.parametrize("tied", [True, False])
+def test_labels_give_the_shifted_loss_without_logits_and_its_gradients(tied):
+    """forward(ids, labels=...) is transformers' .loss: position t predicts labels[t + 1], -100 ignored,
+    computed by lib/lm_loss; loss and every gradient equal F.cross_entropy on the logits."""
+    model = _tiny(model_type="qwen2", tie_word_embeddings=tied).train()
+    ids = torch.randint(0, 64, (3, 9), generator=torch.Generator().manual_seed(1))
+    labels = ids.clone()
+    labels[:, :4] = -100  # the prompt
+    labels[2, 7:] = -100  # padding
+    model.zero_grad()
+    logits = model(ids)
+    ref = F.cross_entropy(logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+    ref.backward()
+    want = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    loss = model(ids, labels=labels)
+    assert loss.dim() == 0 and loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    loss.backward()
+    for n, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want[n], rtol=1e-4, atol=1e-7, msg=n)
+    # Nothing to learn in the batch (every answer cut off): 0, not nan.
+    assert model(ids, labels=torch.full_like(ids, -100)).item() == 0.0
+
+
+def test_labels_with_gradient_checkpointing_and_a_frozen_lora_model():
+    """The judge's setting: a frozen base with LoRA adapters, the loss from labels, checkpointed layers."""
+    model = _tiny(model_type="qwen2")
+    lora.apply_lora(model, targets=("q_proj", "v_proj"), r=4, alpha=8)
+    for m in lora._lora_modules(model).values():
+        torch.nn.init.normal_(m.lora_B.weight)
+    ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(2))
+    labels = torch.where(torch.arange(9) < 3, -100, ids)
+    grads = []
+    for ckpt, use_labels in ((False, False), (False, True), (True, True)):
+        model.train()
+        model.gradient_checkpointing = ckpt
+        model.zero_grad()
+        if use_labels:
+            loss = model(ids, labels=labels)
+        else:
+            loss = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100)
+        loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad})
+    assert len(grads[0]) == 8 and model.lm_head.weight.grad is None  # the head is frozen: no d_W made
+    for g in grads[1:]:
+        for n in grads[0]:
+            torch.testing.assert_close(g[n], grads[0][n], rtol=1e-4, atol=1e-7, msg=n)
+
+
+def test_labels_with_a_lora_adapted_head_take_the_plain_way():
+    model = _tiny(tie_word_embeddings=False)
+    lora.apply_lora(model, targets=("lm_head",), r=4, alpha=8)
+    torch.nn.init.normal_(model.lm_head.lora_B.weight)
+    ids = torch.randint(0, 64, (2, 7), generator=torch.Generator().manual_seed(3))
+    ref = F.cross_entropy(model(ids)[:, :-1].flatten(0, 1), ids[:, 1:].flatten())
+    assert model(ids, labels=ids).item() == pytest.approx(ref.item(), rel=1e-6)
+
+
 def test_lora_adapter_for_llama_says_fan_in_fan_out_false(tmp_path):
     model = _tiny()
     lora.apply_lora(model, targets=("q_proj", "k_proj", "v_proj", "o_proj"), r=4, alpha=8)

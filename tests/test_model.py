@@ -4,6 +4,7 @@ import math
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from lib import gpt
 
@@ -17,10 +18,65 @@ def test_logits_shape_and_initial_loss_near_uniform():
     model = gpt.GPT(tiny())
     idx = torch.randint(0, 50257, (3, 16))
     targets = torch.randint(0, 50257, (3, 16))  # not idx: tied weights favour repeating the input
-    logits, loss = model(idx, targets)
-    assert logits.shape == (3, 16, 50257)
+    logits, none = model(idx)
+    assert logits.shape == (3, 16, 50257) and none is None
+    no_logits, loss = model(idx, targets)
+    assert no_logits is None  # with targets, the chunked loss (lib/lm_loss) makes no logits at all
     # With N(0, 0.02) weights the prediction is close to uniform: loss ~ ln(50257) = 10.82.
     assert abs(loss.item() - math.log(50257)) < 0.1
+    # ... and it is the cross-entropy of the logits, to fp32 rounding.
+    full = F.cross_entropy(logits.flatten(0, 1), targets.flatten())
+    assert loss.item() == pytest.approx(full.item(), rel=1e-6)
+
+
+def test_chunked_loss_trains_like_the_full_one():
+    """Three AdamW steps with model(x, y)[1] and with F.cross_entropy on the logits: the same losses, and
+    the same gradients at every step to float rounding (more in tests/test_lm_loss.py). Weights are not
+    compared: AdamW divides by the gradient's size, so a gradient that is 0 but for rounding (the key
+    bias, to which softmax is blind) moves by the learning rate either way."""
+    cfg = tiny(vocab_size=500)
+    idx, targets = torch.randint(0, 500, (2, 16)), torch.randint(0, 500, (2, 16))
+    runs = []
+    for chunked in (True, False):
+        torch.manual_seed(0)
+        model = gpt.GPT(cfg)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        losses, grads = [], []
+        for _ in range(3):
+            if chunked:
+                loss = model(idx, targets)[1]
+            else:
+                loss = F.cross_entropy(model(idx)[0].flatten(0, 1), targets.flatten())
+            loss.backward()
+            grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        runs.append((losses, grads))
+    assert runs[0][0] == pytest.approx(runs[1][0], rel=1e-5) and runs[0][0][2] < runs[0][0][0]
+    for step, (ours, theirs) in enumerate(zip(runs[0][1], runs[1][1])):
+        for name, g in ours.items():
+            torch.testing.assert_close(g, theirs[name], rtol=1e-4, atol=1e-7, msg=f"step {step} {name}")
+
+
+def test_a_lora_adapted_head_takes_the_plain_way():
+    from lib import lora
+    torch.manual_seed(0)
+    model = gpt.GPT(tiny(vocab_size=300))
+    lora.apply_lora(model, targets=("lm_head",), r=4)
+    torch.nn.init.normal_(model.lm_head.lora_B.weight)
+    idx, targets = torch.randint(0, 300, (2, 16)), torch.randint(0, 300, (2, 16))
+    ref = F.cross_entropy(model(idx)[0].flatten(0, 1), targets.flatten())
+    assert model(idx, targets)[1].item() == pytest.approx(ref.item(), rel=1e-6)
+
+
+def test_logits_to_keep_gives_the_last_positions_logits():
+    torch.manual_seed(0)
+    model = gpt.GPT(tiny()).eval()
+    idx = torch.randint(0, 50257, (2, 10))
+    last, _ = model(idx, logits_to_keep=1)
+    assert last.shape == (2, 1, 50257)
+    torch.testing.assert_close(last, model(idx)[0][:, -1:], rtol=0, atol=1e-5)
 
 
 def test_causal_mask_future_tokens_do_not_change_the_past():
