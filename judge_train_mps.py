@@ -47,13 +47,12 @@ from typing import Callable
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 from lib import chat_tokenizer, guards, llama, lora, metrics, optim, rundir
 from lib import device as devices
 from lib.checkpoint import save_json
 from lib.errors import UserError, report_and_exit
-from lib.memory import RUNTIME_BASELINE, format_table, nf4_bytes
+from lib.memory import LOSS_LABEL, RUNTIME_BASELINE, format_table, lm_loss_bytes, nf4_bytes
 
 SCRIPT = "judge_train_mps"
 TINY = "tiny"  # --model tiny: the offline demo base, built once and cached (tiny_base, at the end)
@@ -382,10 +381,12 @@ def collate(encoded: list, pad_id: int, device=None):
     return input_ids.to(device), labels.to(device)
 
 
-def answer_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean next-token cross-entropy over the answer tokens (position t predicts token t + 1)."""
-    return F.cross_entropy(logits[:, :-1].float().reshape(-1, logits.shape[-1]), labels[:, 1:].reshape(-1),
-                           ignore_index=-100)
+def answer_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy over the answer tokens (position t predicts token t + 1; the prompt
+    and the padding, labelled -100, count for nothing). The model computes it from its last hidden
+    states chunk by chunk (lib/lm_loss), so the [tokens, vocabulary] logits never exist at once: for
+    2 x 512 tokens of Qwen2's 151,936-word vocabulary they would be 622 MB in fp32, before their gradient."""
+    return model(ids, labels=labels)
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list:
@@ -468,8 +469,8 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     Activations per layer and token, in compute_bytes: the two RMSNorm outputs, q, k, v, the attention
     output, gate, up, silu(gate) and their product, LoRA's dropped-out inputs (4 x hidden), plus the
     fp32 residual stream at the two norms; with checkpointing only each layer's input is kept, plus
-    one layer recomputed in backward. The logits: the compute-dtype logits, their fp32 copy and
-    log-softmax, and the gradient (16 bytes a value in fp32).
+    one layer recomputed in backward. The loss never holds the logits: one chunk of rows at a time
+    (lib/memory.lm_loss_bytes; the head is frozen, so it has no gradient to make).
     generation: (rows, positions) of the greedy test evaluation, whose keys and values of every layer
     stay in the KV cache while the answers grow (plus one layer's repeated to every query head, and the
     copy a concatenation makes); it counts where it needs more than a training step.
@@ -507,17 +508,18 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
         "LoRA gradients (fp32)": 4 * n_lora,
         opt_label: opt_bytes,
         "activations" + (" (checkpointed)" if checkpointing else ""): acts,
-        "logits + loss": tokens * cfg.vocab_size * (compute_bytes + 4 + 4 + 4),
+        LOSS_LABEL: lm_loss_bytes(tokens, cfg.vocab_size, h, compute_bytes=compute_bytes, train_head=False,
+                                  hidden_bytes=compute_bytes),
     }
     if base == "nf4":
         estimate["dequantised weight (one layer at a time)"] = max(i * o for i, o in linears) * (4 + compute_bytes)
-    step = acts + estimate["logits + loss"]  # what one training step allocates and frees again
+    step = acts + estimate[LOSS_LABEL]  # what one training step allocates and frees again
     if device_type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
         # glibc keeps the blocks a step frees for reuse (its mmap threshold rises to the largest block
         # freed, up to 32 MiB), and blocks still in use between them keep it from reusing them all: on
-        # SmolLM2-135M (batches of 1 and 4, fp32 or NF4, with or without checkpointing) the peak RSS held
-        # about 0.75 x the activations a step makes (as if none were checkpointed) beyond the tensors
-        # above. With MALLOC_MMAP_THRESHOLD_=131072 every larger block is mapped and given back when
+        # SmolLM2-135M (batches of 1 and 4, fp32 or NF4, with or without checkpointing, the full logits or
+        # the chunked loss) the peak RSS held about 0.75 x the activations a step makes (as if none were
+        # checkpointed) beyond the tensors above. With MALLOC_MMAP_THRESHOLD_=131072 every larger block is mapped and given back when
         # freed: the peak is the tensors, for more system time (the kernel zeroes the pages it maps).
         estimate["CPU allocator: blocks glibc keeps (measured)"] = int(0.75 * L * per_layer)
     if generation:
@@ -624,7 +626,7 @@ def validation_loss(model, encoded: list, batch_size: int, pad_id: int, device, 
         ids, labels = collate(encoded[start:start + batch_size], pad_id, device)
         n = int((labels[:, 1:] != -100).sum())
         with devices.autocast(device, amp):
-            total += answer_loss(model(ids), labels).item() * n
+            total += answer_loss(model, ids, labels).item() * n
         count += n
     model.train()
     return total / count
@@ -683,7 +685,7 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
                     continue  # the last step of an epoch may have fewer micro-batches
                 ids, labels = collate(batch, pad_id, device)
                 with devices.autocast(device, amp):
-                    loss = answer_loss(model(ids), labels) / args.gradient_accumulation
+                    loss = answer_loss(model, ids, labels) / args.gradient_accumulation
                 scaler.scale(loss).backward()  # fp16: the scaled loss, so small gradients do not underflow
                 loss_sum += loss.item()
                 tokens += ids.numel()
@@ -1062,7 +1064,7 @@ def tiny_base(cache_dir: str, log=print) -> str:
             lr = TINY_PRETRAIN["lr"] * min(1.0, (step + 1) / 30) * (0.1 + 0.9 * (1 - step / steps))
             for g in opt.param_groups:
                 g["lr"] = lr
-            loss = answer_loss(model(ids), labels)
+            loss = answer_loss(model, ids, labels)
             opt.zero_grad(set_to_none=True)
             loss.backward()
             opt.step()

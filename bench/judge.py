@@ -93,7 +93,7 @@ def one_train_step(args, name):
 
     def step():
         with devices.autocast(device, amp):
-            loss = judge.answer_loss(model(ids), labels)
+            loss = judge.answer_loss(model, ids, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.3)
         opt.step()

@@ -189,11 +189,16 @@ def test_prompt_masking_and_dynamic_padding():
     assert ids.shape == (2, len("<user>hello|<assistant>fine!|"))  # as long as the longest, no more
     assert (labels[0] != -100).sum() == 3 and (labels[1] != -100).sum() == 6
     assert torch.all(labels[0, enc[0][1] + 3:] == -100) and torch.all(ids[0, len(enc[0][0]):] == 0)
-    # the loss is the answer tokens' cross-entropy only: a prompt-only change leaves it unchanged
-    logits = torch.randn(2, ids.shape[1], 130)
-    base = judge.answer_loss(logits, labels)
-    logits[:, :enc[0][1] - 1] += 5 * torch.randn(2, enc[0][1] - 1, 130)
-    assert torch.allclose(judge.answer_loss(logits, labels), base)
+    # the loss is the answer tokens' cross-entropy only, by hand from the full logits: position t - 1
+    # predicts token t, where token t is an answer token
+    from lib import llama
+
+    model = llama.build_model(llama.LlamaConfig(vocab_size=130, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1), seed=0)
+    logp = torch.log_softmax(model(ids).float(), -1)
+    terms = [-logp[b, t - 1, ids[b, t]] for b in range(2) for t in range(1, ids.shape[1]) if labels[b, t] != -100]
+    assert len(terms) == 9
+    torch.testing.assert_close(judge.answer_loss(model, ids, labels), torch.stack(terms).mean())
     # too long: the prompt is cut from the left, the answer kept
     ids_cut, n_prompt = judge.encode_conversation(tok, convs[1], 10)
     assert len(ids_cut) == 10 and "".join(map(chr, ids_cut[n_prompt:])) == "fine!|"
@@ -245,13 +250,14 @@ def test_estimate_uses_the_lengths_of_the_data():
     est = judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [])
     # per layer and token, fp32: 4 x (2h + q + 2kv + o + 4 x 192 + 4h) + 8h = 4 x 1344 + 512 = 5,888 bytes
     assert est["activations"] == 2 * 3 * 37 * 5888  # 2 layers, 3 rows (all the data), 37 tokens
-    assert est["logits + loss"] == 3 * 37 * 640 * 16
+    # the loss: one chunk (all 111 rows) of fp32 logits, and the hidden states' gradient [111, 64] in fp32
+    assert est[judge.LOSS_LABEL] == 111 * 640 * 4 + 111 * 64 * 4
     # the test evaluation: 16 prompts of at most 20 tokens + 48 new ones; its KV cache (3 layers' keys
     # and values of 32, one layer's repeated to 64, 4 bytes) is below a training step: not counted
     args.skip_eval, args.test_samples = False, 16
     assert judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [[0] * 20] * 16) == est
     big = judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [[0] * 400] * 16)
-    beyond = 16 * 448 * 4 * (2 * 32 * 3 + 2 * 64) - est["activations"] - est["logits + loss"]
+    beyond = 16 * 448 * 4 * (2 * 32 * 3 + 2 * 64) - est["activations"] - est[judge.LOSS_LABEL]
     assert big["test generation (KV cache, 16 x 448) beyond a step"] == beyond > 0
 
 
