@@ -519,8 +519,9 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
         # freed, up to 32 MiB), and blocks still in use between them keep it from reusing them all: on
         # SmolLM2-135M (batches of 1 and 4, fp32 or NF4, with or without checkpointing, the full logits or
         # the chunked loss) the peak RSS held about 0.75 x the activations a step makes (as if none were
-        # checkpointed) beyond the tensors above. With MALLOC_MMAP_THRESHOLD_=131072 every larger block is mapped and given back when
-        # freed: the peak is the tensors, for more system time (the kernel zeroes the pages it maps).
+        # checkpointed) beyond the tensors above. With MALLOC_MMAP_THRESHOLD_=131072 every larger block is
+        # mapped and given back when freed: the peak is the tensors, for more system time (the kernel
+        # zeroes the pages it maps).
         estimate["CPU allocator: blocks glibc keeps (measured)"] = int(0.75 * L * per_layer)
     if generation:
         rows, positions = generation
