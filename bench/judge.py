@@ -27,7 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 from lib import device as devices  # noqa: E402
-from lib import judge, llama, lora  # noqa: E402
+import judge_train_mps as judge  # noqa: E402
+from lib import llama, lora  # noqa: E402
 from lib.adam8bit import AdamW8bit, state_bytes  # noqa: E402
 from lib.nf4 import LinearNF4  # noqa: E402
 
@@ -92,7 +93,7 @@ def one_train_step(args, name):
 
     def step():
         with devices.autocast(device, amp):
-            loss = judge.answer_loss(model(ids), labels)
+            loss = judge.answer_loss(model, ids, labels)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(params, 0.3)
         opt.step()

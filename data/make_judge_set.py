@@ -3,7 +3,7 @@
     python data/make_judge_set.py out/judge_data            # then: python judge_train_mps.py --data_dir out/judge_data
     python data/make_judge_set.py out/judge_data --seed 1   # another draw of the same task
 
-The judge scripts generate the same set in memory when --data_dir is not given (lib/judge.py,
+The judge scripts generate the same set in memory when --data_dir is not given (judge_train_mps.py,
 embedded_judge_set); this script is for reading it, editing it, or using it as a template for
 your own data: each file is a list of {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}.
 """
@@ -15,7 +15,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lib import judge  # noqa: E402
+import judge_train_mps as judge  # noqa: E402
 
 
 def main(argv=None):

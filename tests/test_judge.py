@@ -1,5 +1,7 @@
 """The judge scripts: metrics against hand-computed values, prompt masking, data errors, the embedded
-set, the memory estimate, and both scripts end to end on --model tiny (CPU)."""
+set, the memory estimate, and both scripts end to end on --model tiny (CPU). The run contract
+(--resume, --overwrite, damaged files, Ctrl-C) is tests/test_run_contract.py's; here only what is
+particular to the judge (which flags a resume keeps, the reference scores, --max_seq_length)."""
 
 import json
 import math
@@ -10,7 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-from lib import judge
+import judge_train_cuda
+import judge_train_mps as judge
 from lib.errors import UserError
 
 
@@ -118,6 +121,40 @@ def test_data_errors_name_file_record_field(tmp_path, content, needle):
     assert needle in str(e.value) and path in str(e.value)
 
 
+@pytest.mark.parametrize("answer, found", [
+    ("Score: 15/10\nFeedback: fine", "found 'Score: 15/10'"),
+    ("Score: 42/10", "found 'Score: 42/10'"),
+    ("Score: -3/10\nFeedback: bad", "found 'Score: -3/10'"),
+    ("Score: 7/100", "found 'Score: 7/100'"),
+    ("7 out of 10", "it has no 'Score:'"),
+])
+def test_reference_scores_must_be_0_to_10(tmp_path, answer, found):
+    """A reference is what the judge is graded against: a score outside 0-10 (or none) is the data's
+    fault, said with the file, the record and what was found, before any model is built."""
+    for split in ("train", "val", "test"):
+        _write(tmp_path, split, GOOD)
+    bad = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": answer}]}
+    path = _write(tmp_path, "test", [GOOD[0], bad])
+    with pytest.raises(UserError) as e:
+        judge.load_judge_data(str(tmp_path))
+    message = str(e.value)
+    assert message.startswith(f"{path}: record 1: field messages[1].content: a reference answer must give its "
+                              f"score as `Score: X/10` with X from 0 to 10"), message
+    assert found in message
+    assert judge.parse_score("Score: 10/10") == 10.0 and judge.parse_score("Score: 0/10") == 0.0
+    assert judge.parse_score(answer) is None  # nor does a prediction with such a score count as scored
+
+
+def test_a_byte_order_mark_is_accepted(tmp_path):
+    for split in ("train", "val", "test"):
+        path = _write(tmp_path, split, GOOD)
+        with open(path, "rb") as f:
+            body = f.read()
+        with open(path, "wb") as f:
+            f.write(b"\xef\xbb\xbf" + body)
+    assert judge.load_judge_data(str(tmp_path))["val"] == [GOOD[0]["messages"]]
+
+
 def test_data_dir_reads_and_ignores_extra_keys(tmp_path):
     for split in ("train", "val", "test"):
         _write(tmp_path, split, GOOD)
@@ -152,11 +189,16 @@ def test_prompt_masking_and_dynamic_padding():
     assert ids.shape == (2, len("<user>hello|<assistant>fine!|"))  # as long as the longest, no more
     assert (labels[0] != -100).sum() == 3 and (labels[1] != -100).sum() == 6
     assert torch.all(labels[0, enc[0][1] + 3:] == -100) and torch.all(ids[0, len(enc[0][0]):] == 0)
-    # the loss is the answer tokens' cross-entropy only: a prompt-only change leaves it unchanged
-    logits = torch.randn(2, ids.shape[1], 130)
-    base = judge.answer_loss(logits, labels)
-    logits[:, :enc[0][1] - 1] += 5 * torch.randn(2, enc[0][1] - 1, 130)
-    assert torch.allclose(judge.answer_loss(logits, labels), base)
+    # the loss is the answer tokens' cross-entropy only, by hand from the full logits: position t - 1
+    # predicts token t, where token t is an answer token
+    from lib import llama
+
+    model = llama.build_model(llama.LlamaConfig(vocab_size=130, hidden_size=32, intermediate_size=64,
+                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1), seed=0)
+    logp = torch.log_softmax(model(ids).float(), -1)
+    terms = [-logp[b, t - 1, ids[b, t]] for b in range(2) for t in range(1, ids.shape[1]) if labels[b, t] != -100]
+    assert len(terms) == 9
+    torch.testing.assert_close(judge.answer_loss(model, ids, labels), torch.stack(terms).mean())
     # too long: the prompt is cut from the left, the answer kept
     ids_cut, n_prompt = judge.encode_conversation(tok, convs[1], 10)
     assert len(ids_cut) == 10 and "".join(map(chr, ids_cut[n_prompt:])) == "fine!|"
@@ -193,34 +235,46 @@ def test_estimate_matches_a_built_model():
     assert judge.lora_param_count(cfg, 8) == sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def test_estimate_uses_the_lengths_of_the_data():
+    """The step that needs the most memory is a full batch padded to the longest conversation the run
+    will see, not --max_seq_length; a batch larger than the data is the data."""
+    import argparse
+
+    from lib import llama
+
+    cfg = llama.LlamaConfig(vocab_size=640, **judge.TINY_SHAPE)  # h 64, q 64, k/v 32, MLP 192, 2 layers
+    args = argparse.Namespace(batch_size=8, max_seq_length=512, skip_eval=True, baseline_eval=False,
+                              test_samples=None, max_new_tokens=48)
+    recipe = judge.Recipe(torch.device("cuda"))  # no measured runtime: the arithmetic alone
+    train_enc, val_enc = [([0] * n, 1) for n in (10, 37, 20)], [([0] * 30, 1)]
+    est = judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [])
+    # per layer and token, fp32: 4 x (2h + q + 2kv + o + 4 x 192 + 4h) + 8h = 4 x 1344 + 512 = 5,888 bytes
+    assert est["activations"] == 2 * 3 * 37 * 5888  # 2 layers, 3 rows (all the data), 37 tokens
+    # the loss: one chunk (all 111 rows) of fp32 logits, and the hidden states' gradient [111, 64] in fp32
+    assert est[judge.LOSS_LABEL] == 111 * 640 * 4 + 111 * 64 * 4
+    # the test evaluation: 16 prompts of at most 20 tokens + 48 new ones; its KV cache (3 layers' keys
+    # and values of 32, one layer's repeated to 64, 4 bytes) is below a training step: not counted
+    args.skip_eval, args.test_samples = False, 16
+    assert judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [[0] * 20] * 16) == est
+    big = judge.estimate_for(cfg, recipe, args, 8, train_enc, val_enc, [[0] * 400] * 16)
+    beyond = 16 * 448 * 4 * (2 * 32 * 3 + 2 * 64) - est["activations"] - est[judge.LOSS_LABEL]
+    assert big["test generation (KV cache, 16 x 448) beyond a step"] == beyond > 0
+
+
 # --- both scripts end to end on --model tiny (CPU) -------------------------------------------------
-import judge_train_cuda  # noqa: E402
-import judge_train_mps  # noqa: E402
 from conftest import read_metrics  # noqa: E402
 
 QUICK = ["--model", "tiny", "--device", "cpu", "--log_interval", "5"]
 
 
 @pytest.fixture(scope="module")
-def trained(tmp_path_factory, isolated_cache_module):
-    """One short fine-tuning run of the MPS script on the tiny demo (the base is built once per session)."""
+def trained(tmp_path_factory):
+    """One short fine-tuning run of the MPS script on the tiny demo (the base is built once per session,
+    in the session's cache: tests/conftest.py points BYHAND_CACHE there before any module is imported)."""
     out = str(tmp_path_factory.mktemp("judge_mps"))
-    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "800", "--eval_steps", "50",
+    res = judge.main([*QUICK, "--output_dir", out, "--max_samples", "800", "--eval_steps", "50",
                                 "--test_samples", "24", "--log_interval", "50"])
     return out, res
-
-
-@pytest.fixture(scope="module")
-def isolated_cache_module(tmp_path_factory):
-    # The autouse isolated_cache fixture is function-scoped; the module fixtures need the same cache.
-    cache = tmp_path_factory.getbasetemp() / "byhand-cache"
-    old = os.environ.get("BYHAND_CACHE")
-    os.environ["BYHAND_CACHE"] = str(cache)
-    yield str(cache)
-    if old is None:
-        os.environ.pop("BYHAND_CACHE", None)
-    else:
-        os.environ["BYHAND_CACHE"] = old
 
 
 def test_fine_tuned_judge_beats_untrained(trained):
@@ -255,54 +309,67 @@ def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
     trained_cuda = judge_train_cuda.main([*QUICK, "--output_dir", cuda_out, "--max_samples", "32", "--epochs", "1",
                                           "--skip_eval"])
     assert trained_cuda["best_step"] is not None
-    back = judge_train_mps.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
+    back = judge.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
                                  str(tmp_path / "mps_eval"), "--test_samples", "8", "--max_new_tokens", "12"])
     assert back["test"]["n"] == 8
 
 
-def test_overwrite_refusal_and_resume_flag_check(trained, capsys):
-    out, _ = trained
-    with pytest.raises(SystemExit) as e:
-        judge_train_mps.main([*QUICK, "--output_dir", out, "--epochs", "1"])
-    assert e.value.code == 2
-    err = capsys.readouterr().err
-    assert "already holds a saved run" in err and "--overwrite" in err and "--resume" in err
-    with pytest.raises(SystemExit) as e:
-        judge_train_mps.main([*QUICK, "--output_dir", out, "--resume", "--batch_size", "4"])
+def write_judge_dir(directory, seed=0, sizes=None):
+    os.makedirs(directory, exist_ok=True)
+    for split, records in judge.embedded_judge_set(seed, sizes or {"train": 48, "val": 8, "test": 16}).items():
+        with open(judge.split_path(str(directory), split), "w", encoding="utf-8") as f:
+            json.dump(records, f)
+
+
+def test_resume_keeps_the_saved_flags_and_finds_moved_data(tmp_path, capsys):
+    """Issue 14's case: after a run with --data_dir D --max_samples 40 --lr 0.01 --eval_steps 2
+    --test_samples 16, `--resume --epochs 2` keeps every one of them; the LoRA rank the run used is
+    recorded (a resume naming it is not a contradiction); a moved --data_dir with the same contents
+    resumes, one with other contents is refused."""
+    data, out = tmp_path / "data", str(tmp_path / "run")
+    write_judge_dir(data)
+    judge.main([*QUICK, "--output_dir", out, "--data_dir", str(data), "--max_samples", "40", "--lr", "0.01",
+                "--eval_steps", "2", "--test_samples", "16", "--epochs", "1", "--max_new_tokens", "12"])
+    capsys.readouterr()
+    res = judge.main(["--model", "tiny", "--device", "cpu", "--output_dir", out, "--resume", "--epochs", "2"])
+    log = capsys.readouterr().out
+    assert "--resume: --epochs changed from 1 to 2" in log and "changed from 0.01" not in log
+    assert f"data: 40 train / 8 val / 16 test conversations ({data})" in log
+    saved = [r for r in read_metrics(out) if r.get("event") == "start"][-1]
+    assert {k: saved["args"][k] for k in ("data_dir", "max_samples", "lr", "eval_steps", "test_samples",
+                                           "max_new_tokens", "lora_r", "epochs")} == {
+        "data_dir": str(data), "max_samples": 40, "lr": 0.01, "eval_steps": 2, "test_samples": 16,
+        "max_new_tokens": 12, "lora_r": 8, "epochs": 2}
+    assert saved["step"] == 5 and saved["total_steps"] == 10 and res["test"]["n"] == 16
+    with pytest.raises(SystemExit) as e:  # a fixed flag given with another value
+        judge.main([*QUICK, "--output_dir", out, "--resume", "--batch_size", "4"])
     assert e.value.code == 2 and "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
-
-
-def test_resume_is_exact(tmp_path, monkeypatch, isolated_cache_module):
-    from lib import optim
-
-    args = [*QUICK, "--max_samples", "48", "--epochs", "2", "--eval_steps", "4",
-            "--skip_eval"]  # batch 8: 6 steps an epoch, 12 in all, evaluations at 0, 4, 8 and the end
-    straight = str(tmp_path / "straight")
-    judge_train_mps.main([*args, "--output_dir", straight])
-    # the same run, interrupted (Ctrl-C) as step 7 starts, then resumed
-    resumed = str(tmp_path / "resumed")
-    real = optim.lr_at
-
-    def interrupting(step, *a):
-        if step == 7:
-            raise KeyboardInterrupt
-        return real(step, *a)
-
-    monkeypatch.setattr(optim, "lr_at", interrupting)
+    # the data moved: the same contents under another name continue the run
+    moved = tmp_path / "moved"
+    os.rename(data, moved)
+    judge.main([*QUICK, "--output_dir", out, "--resume", "--epochs", "3", "--data_dir", str(moved), "--lora_r", "8",
+                "--skip_eval"])
+    assert f"--data-dir moved from {data} to {moved} (same contents)" in capsys.readouterr().out
+    other = tmp_path / "other"
+    write_judge_dir(other, seed=1)
+    before = open(os.path.join(out, "training_state.pt"), "rb").read()
     with pytest.raises(SystemExit) as e:
-        judge_train_mps.main([*args, "--output_dir", resumed])
-    assert e.value.code == 130
-    monkeypatch.setattr(optim, "lr_at", real)
-    judge_train_mps.main([*args, "--output_dir", resumed, "--resume"])
-    a = {r["step"]: r["loss"] for r in read_metrics(straight) if "loss" in r}
-    b = {r["step"]: r["loss"] for r in read_metrics(resumed) if "loss" in r}
-    assert len(a) == 12 and a == b
-    va = [(r["step"], r["val_loss"]) for r in read_metrics(straight) if "val_loss" in r and "event" not in r]
-    vb = [(r["step"], r["val_loss"]) for r in read_metrics(resumed) if "val_loss" in r and "event" not in r]
-    assert va == vb and len(va) == 4
+        judge.main([*QUICK, "--output_dir", out, "--resume", "--epochs", "4", "--data_dir", str(other)])
+    assert e.value.code == 2 and "(the contents differ)" in capsys.readouterr().err
+    assert open(os.path.join(out, "training_state.pt"), "rb").read() == before
 
 
-def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch, isolated_cache_module):
+def test_a_max_seq_length_that_leaves_no_answer_token_is_refused(tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        judge.main([*QUICK, "--output_dir", str(out), "--max_samples", "16", "--max_seq_length", "1"])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: --max_seq_length 1 leaves no answer token") and "--max_seq_length 1" in err
+    assert not out.exists() or os.listdir(out) == []  # nothing written, not even metrics.jsonl
+
+
+def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch):
     real = torch.nn.utils.clip_grad_norm_
     calls = {"n": 0}
 
@@ -313,7 +380,7 @@ def test_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch, isolated_cac
 
     monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", first_is_nan)
     out = str(tmp_path / "nan")
-    res = judge_train_mps.main([*QUICK, "--output_dir", out, "--max_samples", "16", "--epochs", "1", "--skip_eval"])
+    res = judge.main([*QUICK, "--output_dir", out, "--max_samples", "16", "--epochs", "1", "--skip_eval"])
     steps = [r for r in read_metrics(out) if "loss" in r]
     assert [r.get("skipped", False) for r in steps] == [True, False]
     assert res["best_step"] is not None

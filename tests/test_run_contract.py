@@ -73,6 +73,9 @@ def base_and_data(tmp, source):
 SPLADE_TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400",
                "--max-length", "32", "--max-query-length", "16", "--device", "cpu", "--lr", "1e-2", "--warmup-steps", "2",
                "--steps", "4", "--batch-size", "8", "--log-interval", "1"]
+JUDGE_TINY = ["--model", "tiny", "--device", "cpu", "--max_samples", "24", "--epochs", "1", "--eval_steps", "2",
+              "--skip_eval", "--log_interval", "1"]
+HUGE_LORA = ["--lora_r", "100000000"]  # the judge's batches are at most its data: a rank no machine can hold
 
 CASES = {
     # --- the pretraining scripts --------------------------------------------------------------------
@@ -118,6 +121,14 @@ CASES = {
         make_data=lambda tmp, source: importlib.import_module("test_splade").contract_data(tmp)),
 
     # --- the judge scripts ---------------------------------------------------------------------------
+    # The tiny demo base (built once per test session, in its cache), 24 conversations of the embedded set:
+    # 3 steps of 8, validations at steps 0, 2 and 3. The saved weights are the best adapter's.
+    "judge_train_mps": Case("judge_train_mps", JUDGE_TINY, stop_at=2, weights=("adapter_model.safetensors",),
+                            bad_overwrite=[["--data_dir", "/no/such/judge_data"], HUGE_LORA], diverge=["--lr", "1e30"],
+                            out_flag="--output_dir"),
+    "judge_train_cuda": Case("judge_train_cuda", JUDGE_TINY, stop_at=2, weights=("adapter_model.safetensors",),
+                             bad_overwrite=[["--data_dir", "/no/such/judge_data"], HUGE_LORA], diverge=["--lr", "1e30"],
+                             out_flag="--output_dir"),
 
     # --- WPO-SGM -------------------------------------------------------------------------------------
     "train_wpo_sgm_memory_efficient": Case(
