@@ -190,33 +190,45 @@ def lora_layers_in_block(targets) -> list:
 
 
 def lora_activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool, targets, r: int,
-                          lora_dropout: float = 0.0) -> int:
-    """Bytes autograd keeps from forward for backward when the base is frozen (logits excluded).
+                          lora_dropout: float = 0.0, device_type: str = "cpu") -> int:
+    """Bytes autograd keeps from forward for backward when the base is frozen (the loss's excluded).
 
     A frozen linear needs only its weight in backward (dx = dy W), not its input, so less is kept
     than in full training (activation_bytes). An op keeps its inputs only if a gradient must pass
-    through it: per block and token, the two LayerNorm inputs on the fp32 residual stream
-    (n_embd x 4 bytes each), q, k, v and the attention output, which SDPA keeps (4 n_embd), and the
-    GELU input (4 n_embd) in the compute dtype; each adapted layer keeps its input (for dA) and the
-    r-wide A x (for dB), plus dropout's one-byte mask with LoRA dropout. In the first block nothing
-    below the lowest adapted layer needs a gradient, so only what lies above it is kept; ln_f's
-    input is kept once.
+    through it: per block and token, the two LayerNorm inputs on the fp32 residual stream (n_embd x 4
+    bytes each, plus a mean and a reciprocal std), q, k, v and the attention output, which SDPA keeps
+    (4 n_embd, plus one log-sum-exp per head), and the GELU input (4 n_embd) in the compute dtype.
+    Each adapted layer keeps the r-wide A x (for dB) and A's input (for dA): x itself, except that
+    attn.c_proj's input is the very storage SDPA keeps as its output (flash attention returns it in
+    the [B, T, heads, head_dim] layout the transpose wants, so .contiguous() copies nothing); with
+    LoRA dropout, dropout(x) instead, and the mask when a gradient must go on down to x: a float
+    tensor of x's dtype on CPU and MPS, one byte on CUDA (its fused kernel). LayerNorm outputs are
+    fp32 even under autocast, so c_attn's and c_fc's x are; attn.c_proj's and mlp.c_proj's are in the
+    compute dtype. In the first block nothing below the lowest adapted layer needs a gradient, so only
+    what lies above it is kept; ln_f's input is kept once.
     """
     s = 2 if amp else 4
     C = cfg.n_embd
     adapted = lora_layers_in_block(targets)
-    ops = [("ln_1", C * 4), ("attn.c_attn", 0), ("attention", 4 * C * s), ("attn.c_proj", 0),
-           ("ln_2", C * 4), ("mlp.c_fc", 0), ("gelu", 4 * C * s), ("mlp.c_proj", 0)]  # forward order
-    per_block = first_block = 0
-    grad_below = False  # in the first block: is anything below this op adapted?
-    for name, kept in ops:
-        if name in adapted:
-            fan_in = BLOCK_LINEAR_SHAPES[name][0] * C
-            kept = (fan_in + r) * s + (fan_in if lora_dropout > 0 else 0)
-        per_block += kept
-        grad_below = grad_below or name in adapted
-        first_block += kept if grad_below else 0
-    return batch_size * block_size * ((cfg.n_layer - 1) * per_block + first_block + C * 4)
+    x_bytes = {"attn.c_attn": 4, "attn.c_proj": s, "mlp.c_fc": 4, "mlp.c_proj": s}  # the dtype of each input x
+    ops = [("ln_1", C * 4 + 8), ("attn.c_attn", 0), ("attention", 4 * C * s + cfg.n_head * 4), ("attn.c_proj", 0),
+           ("ln_2", C * 4 + 8), ("mlp.c_fc", 0), ("gelu", 4 * C * s), ("mlp.c_proj", 0)]  # forward order
+
+    def block(first: bool) -> int:
+        kept_total, grad_below = 0, not first  # grad_below: does anything below this op need a gradient?
+        for name, kept in ops:
+            if name in adapted:
+                fan_in = BLOCK_LINEAR_SHAPES[name][0] * C
+                kept = r * s
+                if lora_dropout > 0:
+                    kept += fan_in * s + (fan_in * (1 if device_type == "cuda" else x_bytes[name]) if grad_below else 0)
+                elif not (name == "attn.c_proj" and grad_below):  # else SDPA keeps it already
+                    kept += fan_in * s
+            grad_below = grad_below or name in adapted
+            kept_total += kept if grad_below else 0
+        return kept_total
+
+    return batch_size * block_size * ((cfg.n_layer - 1) * block(False) + block(True) + C * 4 + 8)
 
 
 def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, device_type: str = "cpu",
@@ -251,7 +263,7 @@ def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, d
         f"LoRA parameters ({lora_name})": n_lora * lora_bytes,
         f"LoRA gradients ({lora_name})": n_lora * lora_bytes,
         f"AdamW moments (2 x {lora_name})": 2 * n_lora * lora_bytes,
-        "activations": lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout),
+        "activations": lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout, device_type),
         LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, amp, train_head=False),
     }
     if amp:

@@ -192,7 +192,8 @@ def test_estimate_memory_matches_the_loaded_model(base, tmp_path):
 
 
 @pytest.mark.parametrize("targets,amp,dropout", [(["c_attn"], False, 0.0), (["c_attn", "c_proj", "c_fc"], False, 0.0),
-                                                 (["c_fc"], True, 0.0), (["c_proj"], False, 0.1), (["mlp.c_proj"], True, 0.1)])
+                                                 (["c_fc"], True, 0.0), (["c_proj"], False, 0.1), (["mlp.c_proj"], True, 0.1),
+                                                 (["attn.c_proj"], False, 0.0)])
 def test_activation_estimate_matches_what_autograd_keeps(targets, amp, dropout):
     """lora_activation_bytes against the tensors autograd actually saves (counted with saved-tensor hooks)."""
     cfg = gpt.GPTConfig(n_layer=3, n_head=2, n_embd=64, block_size=32)
@@ -220,7 +221,7 @@ def test_activation_estimate_matches_what_autograd_keeps(targets, amp, dropout):
     measured = saved_bytes(6) - saved_bytes(2)
     predicted = (memory.lora_activation_bytes(cfg, 6, 32, amp, targets, 8, dropout)
                  - memory.lora_activation_bytes(cfg, 2, 32, amp, targets, 8, dropout) + 4 * 32 * cfg.n_embd * 4)
-    assert measured == pytest.approx(predicted, rel=0.02)
+    assert measured == pytest.approx(predicted, rel=0.005)
 
 
 def test_estimate_for_gpt2_xl_reads_no_weights(monkeypatch):
