@@ -66,8 +66,8 @@ RUN = dataclasses.replace(unified.RUN, local=(*unified.RUN.local, "force_device"
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if argv is None:
-        unified.steady_cpu_heap()
+    if argv is None:  # a command-line run: the heap gives back what it frees (lib/device.py)
+        devices.steady_cpu_heap()
     try:
         if args.search or args.query:
             return unified.search_cli(args)

@@ -40,7 +40,6 @@ not a competitive retriever. Explained with this repo's numbers in docs/splade_e
 
 import argparse
 import ast
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -200,28 +199,11 @@ RUN = rundir.Spec(
 )
 
 
-def steady_cpu_heap():
-    """Linux (glibc): hand freed blocks of 1 MiB or more back to the system at once.
-
-    By default glibc keeps freed blocks of up to 32 MiB in its heap for reuse. Every SPLADE batch is
-    padded to its own longest text, so the [tokens, vocabulary] tensors change size every step, rarely
-    fit the blocks freed before, and the resident set creeps up: to 1.4-2x what a step needs within a
-    few hundred steps (docs/splade_explained.md, section 5). With the threshold fixed the peak stays at
-    what a step needs, for a few percent more system time. Command-line runs only (main() without
-    argv): a program that imports this file keeps its own allocator settings.
-    """
-    if sys.platform.startswith("linux"):
-        try:
-            ctypes.CDLL(None).mallopt(-3, 1 << 20)  # -3: M_MMAP_THRESHOLD
-        except (OSError, AttributeError):
-            pass  # not glibc: nothing to set
-
-
 def main(argv=None):
     parser = build_parser()
     args = parser.parse_args(argv)
-    if argv is None:
-        steady_cpu_heap()
+    if argv is None:  # a command-line run: the heap gives back what it frees (lib/device.py)
+        devices.steady_cpu_heap()
     try:
         if args.search or args.query:
             return search_cli(args)
@@ -768,7 +750,7 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
     Validation encodes eval_batch documents at a time without a graph: their logits (masked in place)
     and one layer's temporaries; it adds to the peak only where that is more than a training step.
     On CPU the measured peak is the process's resident set: Python, torch and the data come first
-    ("runtime baseline"), and steady_cpu_heap() keeps the allocator from adding to it.
+    ("runtime baseline"), and devices.steady_cpu_heap() keeps the allocator from adding to it.
     """
     s = 2 if amp else 4
     tokens = batch_size * q_len + batch_size * (1 + k) * d_len

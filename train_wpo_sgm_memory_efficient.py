@@ -28,7 +28,6 @@ saved file is one error line; non-finite weights are never saved; Ctrl-C saves a
 """
 
 import argparse
-import ctypes
 import math
 import os
 import signal
@@ -445,17 +444,6 @@ def runtime_baseline(device):
             if line.startswith("VmRSS:"):
                 return int(line.split()[1]) * 1024
     return 0
-
-
-def return_freed_blocks_to_the_os():
-    """glibc keeps a freed block of up to 32 MiB in its heap for reuse (its mmap threshold rises to
-    the largest block freed), so a CPU run's resident set grows with how the heap fragments, not with
-    its tensors: 1.24-1.29x the estimate on pooled CIFAR-10 (docs/wpo_sgm_memory.md). A fixed
-    threshold of 128 KiB gives every larger block its own mapping, returned to the system when freed."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(-3, 128 * 1024)  # -3: M_MMAP_THRESHOLD in glibc's malloc.h
-    except (OSError, AttributeError):
-        pass  # not glibc (macOS, musl): nothing to do
 
 
 def largest_chunk(shape, plan, budget, baseline):
@@ -1007,7 +995,8 @@ def run(args, parser, argv):
 
 
 if __name__ == "__main__":
-    # On CPU the resident set then follows the tensors, as estimated. Only for a run from the command
-    # line: a program that imports this script (a test, a notebook) keeps its own allocator settings.
-    return_freed_blocks_to_the_os()
+    # On CPU the resident set then follows the tensors, as estimated: glibc hands every freed block of
+    # 128 KiB or more back at once (lib/device.py). Only for a run from the command line: a program that
+    # imports this script (a test, a notebook) keeps its own allocator settings.
+    devices.steady_cpu_heap(128 * 1024)
     main()

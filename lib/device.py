@@ -110,3 +110,24 @@ def synchronize(device: torch.device):
         torch.cuda.synchronize(device)
     elif device.type == "mps":
         torch.mps.synchronize()
+
+
+def steady_cpu_heap(threshold: int = 1 << 20):
+    """Linux (glibc): give every freed block of `threshold` bytes or more back to the system at once.
+
+    By default glibc keeps freed blocks of up to 32 MiB in its heap for reuse (its mmap threshold
+    rises to the largest block freed). A run whose big tensors change size every step (SPLADE's
+    padded batches, WPO-SGM's chunks) rarely fits them into the blocks freed before, so the resident
+    set creeps up, step after step, to well above what a step needs, and the measured CPU peak stops
+    saying anything about the estimate. With the threshold fixed, the peak stays at what a step needs,
+    for a few percent more system time (the kernel zeroes the fresh pages: docs/big_vocab_loss.md).
+    Used by the SPLADE and WPO-SGM scripts, for command-line runs only: a program that imports a
+    script (a test, a notebook) keeps its own allocator settings.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None).mallopt(-3, threshold)  # -3: M_MMAP_THRESHOLD in glibc's malloc.h
+        except (OSError, AttributeError):
+            pass  # not glibc (musl): nothing to set
