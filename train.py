@@ -120,7 +120,7 @@ def main(argv=None):
 
 def check_args(args):
     """Everything about the flags and paths that can be checked before any work starts."""
-    guards.check_schedule_seed_resume(args)
+    guards.check_schedule_and_seed(args)
     devices.pick_device(args.device)  # a --device that is not here fails now, not after other checks
     guards.check_output_dir(args.out_dir)
     guards.check_cache_dir(args.cache_dir)

@@ -187,7 +187,7 @@ RUN = rundir.Spec(
 
 def check_args(args):
     """Everything about the flags and paths that can be checked before any work starts."""
-    guards.check_schedule_seed_resume(args)
+    guards.check_schedule_and_seed(args)
     if args.dtype == "fp16":
         raise UserError("--dtype fp16 would need a sharded GradScaler (fp16 gradients underflow), which this script "
                         "leaves out; use --dtype bf16 on a GPU that has it, or fp32")

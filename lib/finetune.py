@@ -108,7 +108,7 @@ def check_arguments(args):
     bad = [t for t in args.lora_targets if t not in TARGET_CHOICES]
     if bad or not args.lora_targets:
         raise UserError(f"--lora-targets {' '.join(bad) or '(none)'}: choose from {', '.join(TARGET_CHOICES)}")
-    guards.check_schedule_seed_resume(args, seed_limit=2**32 - 1)  # the held-out batches use seed + 1
+    guards.check_schedule_and_seed(args, seed_limit=2**32 - 1)  # the held-out batches use seed + 1
 
 
 def check_paths(args):

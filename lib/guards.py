@@ -1,9 +1,10 @@
 """Guards every script runs so that a user mistake costs one line, never a traceback or lost work.
 
 Used by every training script. The one idea: check before you spend. Flags are validated when
-they are parsed, paths before anything is written, memory before anything is allocated, an
-existing checkpoint before a fresh run could replace it, and weights before they are saved.
-Each failure is a UserError: one line, `error: <what>, <where>; <what to do>`, exit 2.
+they are parsed, paths before anything is written, memory before anything is allocated, and
+weights before they are saved. Each failure is a UserError: one line, `error: <what>, <where>;
+<what to do>`, exit 2. What a saved run directory may and may not become (--resume, --overwrite,
+damaged files, Ctrl-C) is the run contract's, in lib/rundir.py, which uses these checks.
 """
 
 import argparse
@@ -15,10 +16,6 @@ import torch
 
 from lib.errors import UserError
 from lib.metrics import format_bytes
-
-# The files whose presence means "a run was saved here": a fresh run must not replace them.
-CHECKPOINT_FILES = ("model.safetensors", "training_state.pt", "adapter_model.safetensors")
-
 
 # --- argparse types: a bad value ends in argparse's own one-line usage error (exit 2) -------------
 def _number(kind, test, what):
@@ -63,16 +60,14 @@ def add_safety_flags(parser):
                         help="run even when the memory estimate exceeds what the device has free")
 
 
-def check_schedule_seed_resume(args, seed_limit: int = 2**32):
+def check_schedule_and_seed(args, seed_limit: int = 2**32):
     """The flag checks every GPT training script shares: --min-lr-ratio a fraction, --seed within what
-    numpy accepts (seed_limit lower where seed + 1 is used too), not both --resume and --overwrite."""
+    numpy accepts (seed_limit lower where seed + 1 is used too)."""
     if args.min_lr_ratio > 1:
         raise UserError(f"--min-lr-ratio {args.min_lr_ratio} is above 1 (the final learning rate would exceed --lr); "
                         f"use a value from 0 to 1")
     if args.seed >= seed_limit:
         raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {seed_limit - 1}")
-    if args.resume and args.overwrite:
-        raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
 
 
 # --- paths --------------------------------------------------------------------------------------
@@ -92,22 +87,6 @@ def check_output_dir(path: str, flag: str = "--out-dir"):
 
 def check_cache_dir(path: str, flag: str = "--cache-dir"):
     check_output_dir(path, flag)
-
-
-def refuse_overwrite(out_dir: str, resume: bool, overwrite: bool, names=CHECKPOINT_FILES):
-    """A fresh run into a directory that holds a saved run stops, unless the user said what they want."""
-    if resume or overwrite or not os.path.isdir(out_dir):
-        return
-    found = [n for n in names if os.path.isfile(os.path.join(out_dir, n))]
-    if found:
-        raise UserError(f"{out_dir} already holds a saved run ({', '.join(found)}); pass --resume to continue it, "
-                        f"--overwrite to replace it, or another --out-dir")
-
-
-def start_metrics(path: str, resume: bool):
-    """A fresh run starts a fresh metrics.jsonl; a resumed run appends to the one it continues."""
-    if not resume and os.path.isfile(path):
-        os.remove(path)
 
 
 # --- finite weights -----------------------------------------------------------------------------
@@ -176,21 +155,6 @@ def explicit_flags(args, parser, argv=None) -> set:
     named = {parser._option_string_actions[a.split("=", 1)[0]].dest for a in argv
              if a.startswith("-") and a.split("=", 1)[0] in parser._option_string_actions}
     return named | {k for k, v in vars(args).items() if v != parser.get_default(k)}
-
-
-def check_resume_flags(saved_args: dict, args, parser, fixed, changeable, log=print, argv=None):
-    """--resume continues the saved run: a flag that would change what it is (the model's shape,
-    the data) is an error; a flag that may change (steps, learning rate, intervals) is reported."""
-    given = explicit_flags(args, parser, argv)
-    current = vars(args)
-    for key in fixed:
-        if key in given and key in saved_args and current[key] != saved_args[key]:
-            flag = "--" + key.replace("_", "-")
-            raise UserError(f"--resume: {flag} {current[key]} contradicts the saved run ({flag} {saved_args[key]}); "
-                            f"drop {flag} to continue it, or start a new run with --overwrite or another --out-dir")
-    for key in changeable:
-        if key in saved_args and current.get(key) != saved_args[key]:
-            log(f"--resume: {'--' + key.replace('_', '-')} changed from {saved_args[key]} to {current.get(key)}")
 
 
 # --- creating the output directory -------------------------------------------------------------------

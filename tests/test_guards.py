@@ -59,26 +59,6 @@ def test_output_dir_checks(tmp_path, monkeypatch):
         ro.chmod(stat.S_IRWXU)
 
 
-def test_refuse_overwrite(tmp_path):
-    guards.refuse_overwrite(str(tmp_path / "absent"), resume=False, overwrite=False)
-    (tmp_path / "metrics.jsonl").write_text("{}\n")
-    guards.refuse_overwrite(str(tmp_path), resume=False, overwrite=False)  # metrics alone are no checkpoint
-    (tmp_path / "model.safetensors").write_bytes(b"x")
-    with pytest.raises(UserError, match="--resume .* --overwrite"):
-        guards.refuse_overwrite(str(tmp_path), resume=False, overwrite=False)
-    guards.refuse_overwrite(str(tmp_path), resume=True, overwrite=False)
-    guards.refuse_overwrite(str(tmp_path), resume=False, overwrite=True)
-
-
-def test_start_metrics(tmp_path):
-    m = tmp_path / "metrics.jsonl"
-    m.write_text('{"step": 0}\n')
-    guards.start_metrics(str(m), resume=True)
-    assert m.exists()
-    guards.start_metrics(str(m), resume=False)
-    assert not m.exists()
-
-
 def test_nonfinite_and_check_finite_weights(tmp_path):
     good = {"a": torch.ones(3), "steps": torch.tensor([3])}
     bad = {"a": torch.ones(3), "b": torch.tensor([1.0, float("nan")]), "c": torch.tensor([float("inf")])}
@@ -100,24 +80,3 @@ def test_check_memory():
     guards.check_memory(available * 2, cpu, force=True, hint="lower --batch-size")  # --force
     with pytest.raises(UserError, match="exceeds .* lower --batch-size, or pass --force"):
         guards.check_memory(available * 2, cpu, force=False, hint="lower --batch-size")
-
-
-def test_check_resume_flags():
-    p = argparse.ArgumentParser()
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--n-layer", type=int)
-    p.add_argument("--lr", type=float, default=1e-3)
-    saved = {"model_size": "gpt2", "n_layer": None, "lr": 1e-3}
-    said = []
-    # Not named: the saved run's shape is kept, whatever the default is.
-    guards.check_resume_flags(saved, p.parse_args([]), p, ["model_size", "n_layer"], ["lr"], said.append, argv=[])
-    # Named, even when equal to the default, and different from the saved run: refused.
-    with pytest.raises(UserError, match=r"--model-size tiny contradicts the saved run \(--model-size gpt2\)"):
-        argv = ["--model-size", "tiny"]
-        guards.check_resume_flags(saved, p.parse_args(argv), p, ["model_size"], ["lr"], said.append, argv=argv)
-    with pytest.raises(UserError, match="--n-layer 8"):
-        argv = ["--n-layer=8"]
-        guards.check_resume_flags(saved, p.parse_args(argv), p, ["n_layer"], [], said.append, argv=argv)
-    argv = ["--lr", "5e-4", "--model-size", "gpt2"]
-    guards.check_resume_flags(saved, p.parse_args(argv), p, ["model_size"], ["lr"], said.append, argv=argv)
-    assert said == ["--resume: --lr changed from 0.001 to 0.0005"]

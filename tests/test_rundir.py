@@ -93,6 +93,9 @@ def test_resume_takes_the_saved_flags_refuses_contradictions_reports_changes(sav
     assert args.lr == 0.25 and messages == ["--resume: --lr changed from 0.5 to 0.25"]
     with pytest.raises(UserError, match=r"--width 32 contradicts the saved run \(--width 16\)"):
         prepare(["--out-dir", str(out), "--resume", "--width", "32"])
+    # Named on the command line, even at its default, and not the saved value: refused too.
+    with pytest.raises(UserError, match=r"--width 8 contradicts the saved run \(--width 16\)"):
+        prepare(["--out-dir", str(out), "--resume", "--width=8"])
 
 
 def test_a_moved_data_file_is_accepted_when_its_contents_are_the_same(saved, tmp_path):
