@@ -1,6 +1,6 @@
 """Hugging Face byte-level BPE tokenizers and chat templates, read from a model directory's own files.
 
-Used by judge_train_mps.py and judge_train_cuda.py (through lib/judge.py). Reads what transformers
+Used by judge_train_mps.py (and so judge_train_cuda.py, which imports it). Reads what transformers
 reads: tokenizer.json (normaliser, pre-tokenizer, BPE vocabulary and merges, post-processor), or
 vocab.json + merges.txt, or Llama 3's tiktoken-format tokenizer.model; the special and added tokens;
 and the chat template (tokenizer_config.json or chat_template.jinja), rendered in code, without Jinja.
