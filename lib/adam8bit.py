@@ -234,7 +234,9 @@ class AdamW8bit(torch.optim.Optimizer):
             w = p32[start:end]
             if wd:
                 w.mul_(1 - lr * wd)
-            w.addcdiv_(m, v.sqrt().div_(bias2_sqrt).add_(eps), value=-step_size)
+            # m / denominator first, then the step size: addcdiv_'s value= must fit in fp32, and an absurd
+            # --lr (1e38) should make the weights inf, which the run then refuses to save, not a traceback.
+            w.sub_(torch.div(m, v.sqrt().div_(bias2_sqrt).add_(eps)).mul_(step_size))
             if eight_bit:
                 for codes, absmax, moment, signed in (("state1", "absmax1", m, True), ("state2", "absmax2", v, False)):
                     new_codes, new_absmax = quantize_blockwise(moment, signed, self.block_size)
