@@ -47,17 +47,41 @@ import torch.nn.functional as F
 
 # Rows per chunk: at least MIN_CHUNK_ROWS, more while the chunk's fp32 logits fit CHUNK_BYTES. Fewer
 # rows make the three matmuls slow: each chunk reads the whole [vocab, hidden] weight twice and adds
-# into the whole d_W once, so with 54 rows of Qwen2's 151,936 words (what 32 MiB alone would give) a
-# CPU spends a quarter more time than on the full logits; from about 256 rows on it is as fast
-# (docs/big_vocab_loss.md). 256 rows of 151,936 fp32 logits are 148 MiB, a quarter of 1,024 rows'.
-CHUNK_BYTES = 32 * 2**20
+# into the whole d_W once. On a 2-core CPU, 1,024 tokens of GPT-2's 50,257 words take 453 ms for the
+# three matmuls in chunks of 256 rows, 386 ms in chunks of 512 and 336 ms in one chunk; with 54 rows
+# of Qwen2's 151,936 words (what 32 MiB alone would give) a CPU spends a quarter more time than on the
+# full logits (docs/big_vocab_loss.md). 128 MiB is 2 chunks of 512 rows for the default GPT-2 batch of
+# 1,024 tokens, and 256 rows (148 MiB) at Qwen2's vocabulary: a quarter of 1,024 rows' logits.
+CHUNK_BYTES = 128 * 2**20
 MIN_CHUNK_ROWS = 256
 
 
 def default_chunk_size(vocab_size: int, hidden_size: int, chunk_bytes: int = CHUNK_BYTES) -> int:
-    """Rows (tokens) per chunk: as many as fit chunk_bytes of fp32 logits plus the rows' hidden
+    """Most rows (tokens) per chunk: as many as fit chunk_bytes of fp32 logits plus the rows' hidden
     states and gradients, and at least MIN_CHUNK_ROWS so that the matmuls run at full speed."""
     return max(MIN_CHUNK_ROWS, chunk_bytes // (4 * (vocab_size + 2 * hidden_size)))
+
+
+def chunk_rows(n: int, chunk_size: int) -> int:
+    """Rows per chunk for n rows and chunks of at most chunk_size, the same in every chunk: 1,024 tokens
+    with at most 664 rows are two chunks of 512, not 664 and a slower 360."""
+    return -(-n // -(-n // chunk_size))
+
+
+# The chunk buffers are kept between calls, one per device, dtype and vocabulary (the largest asked for
+# so far). A fresh [rows, vocab] buffer of tens of MB every step would be fresh pages from the kernel
+# every step, each 4 KiB zeroed on its first touch: the system time the issue measured. On CUDA the
+# caching allocator would reuse the block anyway; on a CPU this is what reuses it.
+_WORKSPACE = {}
+
+
+def _workspace(rows: int, vocab: int, dtype, device) -> torch.Tensor:
+    key = (str(device), dtype, vocab)
+    buffer = _WORKSPACE.get(key)
+    if buffer is None or buffer.shape[0] < rows:
+        _WORKSPACE.pop(key, None)  # the smaller one goes first
+        buffer = _WORKSPACE[key] = torch.empty(rows, vocab, dtype=dtype, device=device)
+    return buffer[:rows]
 
 
 def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -70,13 +94,11 @@ def _compute_dtype(hidden: torch.Tensor) -> torch.dtype:
 
 class _ChunkBuffers:
     """The one [rows, vocab] buffer every chunk reuses (fp32), plus a 16-bit one for the matmul's
-    output and the gradient's input under autocast. Made once per call, not once per chunk: a
-    buffer above glibc's 32 MiB mmap ceiling would otherwise be new pages, zeroed by the kernel
-    page by page, for every chunk (see the docs page)."""
+    output and the gradient's input under autocast: from the workspace kept between calls."""
 
     def __init__(self, rows, vocab, acc, compute_dtype, device):
-        self.acc = torch.empty(rows, vocab, dtype=acc, device=device)
-        self.low = None if compute_dtype == acc else torch.empty(rows, vocab, dtype=compute_dtype, device=device)
+        self.acc = _workspace(rows, vocab, acc, device)
+        self.low = None if compute_dtype == acc else _workspace(rows, vocab, compute_dtype, device)
 
     def logits(self, h, w):
         """The chunk's logits h @ w.T in the compute dtype, as an fp32 view of the buffer."""
@@ -119,6 +141,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
                     if fused and grad_weight else None)
         with torch.autocast(device.type, enabled=False):
             w = weight.to(compute_dtype)
+            chunk_size = chunk_rows(n, chunk_size) if n else chunk_size
             buffers = _ChunkBuffers(min(chunk_size, n), weight.shape[0], acc, compute_dtype, device)
             for s in range(0, n, chunk_size):
                 e = min(s + chunk_size, n)

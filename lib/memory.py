@@ -11,7 +11,7 @@ GPT's largest tensor, but lib/lm_loss never makes them: only one chunk of rows a
 import torch
 
 from lib.gpt import Block, GPTConfig
-from lib.lm_loss import default_chunk_size
+from lib.lm_loss import chunk_rows, default_chunk_size
 from lib.metrics import format_bytes
 
 # What the process holds before the model exists: the CPU figure is the resident set of Python
@@ -65,7 +65,7 @@ def lm_loss_bytes(tokens: int, vocab_size: int, hidden_size: int, chunk_size: in
     partial d_W of a chunk. The fp32 d_W itself becomes the head's gradient: count it with the
     gradients (as estimate_gpt_training does), not here.
     """
-    rows = min(tokens, chunk_size or default_chunk_size(vocab_size, hidden_size))
+    rows = chunk_rows(tokens, chunk_size or default_chunk_size(vocab_size, hidden_size)) if tokens else 0
     chunk = rows * vocab_size * (4 if compute_bytes >= 4 else 4 + compute_bytes)
     d_hidden = tokens * hidden_size * hidden_bytes
     head_copies = 2 * vocab_size * hidden_size * compute_bytes if train_head and compute_bytes < 4 else 0

@@ -214,13 +214,17 @@ def test_no_tensor_of_tokens_x_vocab_is_ever_made(recompute):
 
 def test_default_chunk_size_from_vocabulary_and_width():
     # At least 256 rows (fast matmuls), more while the fp32 logits (plus the rows' hidden states and
-    # gradients) fit 32 MiB: a small vocabulary gets many rows, GPT-2's and Qwen2's get 256.
-    assert lm_loss.default_chunk_size(1000, 64) == 32 * 2**20 // (4 * (1000 + 128)) == 7436
-    assert lm_loss.default_chunk_size(50257, 128) == lm_loss.default_chunk_size(151936, 1536) == 256
+    # gradients) fit 128 MiB: a small vocabulary gets many rows, GPT-2's 664, Qwen2's 256.
+    assert lm_loss.default_chunk_size(1000, 64) == 128 * 2**20 // (4 * (1000 + 128)) == 29746
+    assert lm_loss.default_chunk_size(50257, 128) == 128 * 2**20 // (4 * (50257 + 256)) == 664
+    assert lm_loss.default_chunk_size(151936, 1536) == 256
+    # Chunks of equal size: 1,024 rows with at most 664 are two of 512; 1,000 with 256 are four of 250.
+    assert lm_loss.chunk_rows(1024, 664) == 512 and lm_loss.chunk_rows(1000, 256) == 250
+    assert lm_loss.chunk_rows(7, 256) == 7 and lm_loss.chunk_rows(20, 7) == 7  # 7, 7, 6
     # The estimate: one chunk's fp32 logits and d_hidden; under autocast also 16-bit copies.
-    assert memory.lm_loss_bytes(1024, 50257, 128) == 256 * 50257 * 4 + 1024 * 128 * 4
+    assert memory.lm_loss_bytes(1024, 50257, 128) == 512 * 50257 * 4 + 1024 * 128 * 4
     assert memory.lm_loss_bytes(10, 50257, 128, train_head=False) == 10 * 50257 * 4 + 10 * 128 * 4
-    assert memory.lm_loss_bytes(1024, 50257, 128, compute_bytes=2) == (256 * 50257 * 6 + 1024 * 128 * 4
+    assert memory.lm_loss_bytes(1024, 50257, 128, compute_bytes=2) == (512 * 50257 * 6 + 1024 * 128 * 4
                                                                        + 2 * 50257 * 128 * 2)
 
 

@@ -88,10 +88,10 @@ def test_estimate_memory_prints_and_exits(tmp_path, capsys):
     assert "124,439,808 parameters" in out and "memory estimate" in out
     assert est["parameters (fp32)"] == 124_439_808 * 4
     assert est["AdamW moments (2 x fp32)"] == 124_439_808 * 8
-    # The loss never holds the 8 x 1024 x 50,257 logits (lib/lm_loss): one chunk of 256 rows of fp32 logits (32 MiB
-    # would be 161 rows of 50,257 + 2 x 768 floats), and d_hidden, [8 x 1024, 768] in fp32, from forward to backward;
-    # the tied embedding has a second [50,257, 768] gradient for a moment.
-    assert est["loss (one chunk of logits)"] == 256 * 50257 * 4 + 8 * 1024 * 768 * 4
+    # The loss never holds the 8 x 1024 x 50,257 logits (lib/lm_loss): one chunk of fp32 logits (128 MiB are 647 rows
+    # of 50,257 + 2 x 768 floats, so 8,192 tokens are 13 chunks of 631 rows), and d_hidden, [8 x 1024, 768] in fp32,
+    # from forward to backward; the tied embedding has a second [50,257, 768] gradient for a moment.
+    assert est["loss (one chunk of logits)"] == 631 * 50257 * 4 + 8 * 1024 * 768 * 4
     assert est["tied embedding's second gradient"] == 50257 * 768 * 4
     assert not os.listdir(tmp_path)  # nothing trained, nothing written
 
