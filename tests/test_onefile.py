@@ -14,7 +14,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import onefile_train
-from tests.conftest import read_metrics as records, step_losses as losses, val_losses
+from tests import conftest
+from tests.conftest import ROOT, read_metrics as records, step_losses as losses, val_losses
 import train
 from lib import checkpoint, gpt
 
@@ -110,6 +111,27 @@ def test_checkpoint_loads_with_lib_and_gives_the_same_loss(runs):
     with torch.no_grad():
         assert model(idx[:, :-1], idx[:, 1:]).item() == pytest.approx(lib_model(idx[:, :-1], idx[:, 1:])[1].item(),
                                                                         abs=1e-5)
+
+
+@pytest.mark.multiprocess
+def test_torchrun_two_ranks_match_one_process(runs, env):
+    # 2 ranks x grad-accum 1 read the same windows as 1 process x grad-accum 2 (see onefile_train.Batches).
+    out = str(env["dir"] / "ddp")
+    proc = conftest.torchrun([os.path.join(ROOT, "onefile_train.py"), *env["common"], "--out-dir", out,
+                              "--grad-accum", "1"])
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "x 2 ranks" in proc.stdout
+    single, ddp = losses(runs["onefile"]), losses(out)
+    assert sorted(ddp) == list(range(6))
+    for step in single:
+        assert ddp[step] == pytest.approx(single[step], abs=1e-5), step
+    # Validation batches are split between the ranks, so the validation loss does not change either.
+    assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(runs["onefile"])], abs=1e-5)
+    assert records(out)[0]["world_size"] == 2
+    # The weights after 6 steps: the same update from the same averaged gradient, up to the sum's order.
+    one, two = (load_file(os.path.join(d, "model.safetensors")) for d in (runs["onefile"], out))
+    for name in one:
+        assert torch.allclose(two[name], one[name], atol=1e-5), name
 
 
 @pytest.mark.parametrize("case", ["missing data", "empty corpus", "block larger than corpus"])
