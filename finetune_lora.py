@@ -6,16 +6,19 @@
 
 Every adapted linear computes W x + (alpha / r) B A x with W frozen; only A and B (a fraction of a
 percent of the parameters) get gradients and AdamW moments. The adapter is saved in the Hugging Face
-PEFT layout; --merge folds it into the base and writes a plain GPT-2 directory. finetune_qlora.py is
-this file with the base held in 4-bit NF4, and the two scripts read each other's adapters. Read top to
-bottom: arguments, device, base model configuration, data, model, optimiser, training loop, save,
-report. The idea and the arithmetic: docs/qlora_explained.md; the code path: docs/qlora_code_walkthrough.md.
+PEFT layout; --merge folds it into the base and writes a plain GPT-2 directory. Read top to bottom:
+arguments, device, base model configuration, data, model, optimiser, training loop, save, report.
+finetune_qlora.py imports this file and changes only how the frozen base and A and B are held (its
+own recipe_for(): the base in 4-bit NF4); the two scripts read each other's adapters. The idea and
+the arithmetic: docs/qlora_explained.md; the code path: docs/qlora_code_walkthrough.md.
 """
 
 import argparse
+import dataclasses
 import math
 import os
 import sys
+from typing import Callable
 
 import torch
 
@@ -25,14 +28,12 @@ from lib.errors import UserError, report_and_exit
 
 
 # --- arguments ------------------------------------------------------------------------------------
-def make_parser():
-    p = argparse.ArgumentParser(
-        description="Fine-tune GPT-2 with LoRA adapters on a frozen base (PEFT-layout adapters, optional merge).",
-        formatter_class=guards.HelpFormatter,
-    )
-    finetune.add_arguments(p, out_dir="out/finetune_lora", dtype_help=(
-        "autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS. Under 16-bit "
-        "autocast the frozen block weights are stored in that dtype (LoRA's A and B stay fp32)"))
+def make_parser(description="Fine-tune GPT-2 with LoRA adapters on a frozen base (PEFT-layout adapters, optional "
+                "merge).", out_dir="out/finetune_lora", dtype_help=(
+                    "autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS. Under "
+                    "16-bit autocast the frozen block weights are stored in that dtype (LoRA's A and B stay fp32)")):
+    p = argparse.ArgumentParser(description=description, formatter_class=guards.HelpFormatter)
+    finetune.add_arguments(p, out_dir, dtype_help)  # finetune_qlora.py passes its own three and adds its flags
     return p
 
 
@@ -51,41 +52,69 @@ def main(argv=None):
         report_and_exit(e)
 
 
-def run(args, parser, argv):
+# --- the recipe: how the frozen base and the LoRA matrices are held ----------------------------------
+@dataclasses.dataclass
+class Recipe:
+    """How the frozen base and A and B are held. recipe_for() below is this script's choice;
+    finetune_qlora.py makes its own (NF4 base, --lora-dtype, the CPU's dtype timed). Everything else in
+    this file is the same for both."""
+    base: str                                 # how the block weights are stored: fp32, bf16, fp16 or nf4
+    convert_linear: Callable                  # (name, nn.Linear) -> module, as each block linear is read
+    held: str = None                          # how the first log line describes them; None: `base`
+    lora_dtype: torch.dtype = torch.float32   # A and B and their AdamW moments
+    estimate_kwargs: dict = dataclasses.field(default_factory=dict)  # more for memory.estimate_lora_finetuning
+    pick_amp: Callable = None                 # (model, first batch, state) -> amp: --dtype settled on the model
+    merge_in_place: bool = False              # --merge folds A and B into the trained model, not a fresh fp32 base
+    memory_hint: str = ("lower --batch-size or --block-size, adapt fewer --lora-targets, or hold the base in 4 bits "
+                        "with finetune_qlora.py")
+
+
+def recipe_for(args, device, amp) -> Recipe:
+    """This script's choice. The frozen block weights are never updated, so they need no fp32 master
+    copy: under 16-bit autocast they are stored in that dtype (half the bytes, and nothing for autocast
+    to copy). A and B are updated by tiny steps, so they stay fp32."""
+    base_dtype = amp or torch.float32
+    return Recipe(base=finetune.dtype_name(amp), convert_linear=lambda name, linear: linear.to(base_dtype))
+
+
+def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
+    """The whole recipe, stage by stage; finetune_qlora.py calls it with its own spec and recipe_for."""
     # --- checks before any work: the flags, the run directory, the base and the adapter ------------
     finetune.check_arguments(args)
     # A saved run is never replaced without --overwrite; --resume validates every saved file and takes the
     # saved run's flags (lib/rundir.py). Then the base's config.json and the --adapter files are checked.
-    run_dir = rundir.prepare(args, parser, argv, RUN, writes=not args.estimate_memory)
+    run_dir = rundir.prepare(args, parser, argv, spec, writes=not args.estimate_memory)
     state, settings, cfg = finetune.resolve_run(args, run_dir)
     log = print
 
-    # --- device -----------------------------------------------------------------------------------
+    # --- device, and how the base and A and B are held ----------------------------------------------
     device = devices.pick_device(args.device)
     devices.seed_everything(args.seed)
     amp = devices.amp_dtype(device, args.dtype)
     if amp is not None and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
-    # The frozen block weights are never updated, so they need no fp32 master copy: under 16-bit
-    # autocast they are stored in that dtype (half the bytes, and nothing for autocast to copy).
-    # A and B are updated by tiny steps, so they stay fp32.
-    base_dtype = amp or torch.float32
-    lora_dtype = torch.float32
+    recipe = recipe_for(args, device, amp)  # this file's, or finetune_qlora.py's (NF4)
 
     # --- memory: the estimate, and the check before anything is allocated or downloaded --------------
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum
+    compute = "fp32 or bf16 (timed before training)" if recipe.pick_amp else \
+        finetune.dtype_name(amp) + (" autocast" if amp else "")
     log(f"base: {state['base'] if state else args.init_from} ({cfg.n_layer} layers, {cfg.n_head} heads, "
-        f"{cfg.n_embd} wide), block weights in {finetune.dtype_name(amp)}; LoRA r={settings['r']} "
-        f"alpha={settings['alpha']:g} on {', '.join(settings['targets'])}; device {device}, "
-        f"{finetune.dtype_name(amp)}{' autocast' if amp else ''}; {tokens_per_step:,} tokens per step")
-    estimate = memory.estimate_lora_finetuning(cfg, args.batch_size, args.block_size, device.type, amp is not None,
-                                               finetune.dtype_name(amp), settings["targets"], settings["r"],
-                                               lora_bytes=4, lora_dropout=settings["dropout"])
+        f"{cfg.n_embd} wide), block weights in {recipe.held or recipe.base}; LoRA r={settings['r']} "
+        f"alpha={settings['alpha']:g} on {', '.join(settings['targets'])} in {finetune.dtype_name(recipe.lora_dtype)}; "
+        f"device {device}, {compute}; {tokens_per_step:,} tokens per step")
+
+    def estimate_for(amp):  # again once recipe.pick_amp has settled the dtype
+        return memory.estimate_lora_finetuning(cfg, args.batch_size, args.block_size, device.type, amp is not None,
+                                               recipe.base, settings["targets"], settings["r"],
+                                               recipe.lora_dtype.itemsize, settings["dropout"],
+                                               **recipe.estimate_kwargs)
+    estimate = estimate_for(amp)  # fp32's when the dtype is still to be timed: the larger of the two
     if args.estimate_memory:
-        log(memory.format_table(estimate))
+        log(memory.format_table(estimate) + (
+            "\n(for fp32; on a CPU --dtype auto times bf16 against fp32 before training)" if recipe.pick_amp else ""))
         return estimate
-    guards.check_memory(sum(estimate.values()), device, args.force, "lower --batch-size or --block-size, adapt fewer "
-                        "--lora-targets, or hold the base in 4 bits with finetune_qlora.py")
+    guards.check_memory(sum(estimate.values()), device, args.force, recipe.memory_hint)
     model_dir = finetune.base_weights(args, state, cfg, log)  # a hub id's weights are downloaded now
 
     # --- data -------------------------------------------------------------------------------------
@@ -97,18 +126,21 @@ def run(args, parser, argv):
 
     # --- model: the frozen base, then LoRA on the chosen layers -----------------------------------
     devices.reset_peak_memory(device)  # count fine-tuning, not tokenisation
-    model = finetune.load_base(model_dir, device, convert_linear=lambda name, linear: linear.to(base_dtype))
+    model = finetune.load_base(model_dir, device, recipe.convert_linear)
     torch.manual_seed(args.seed)  # A's random initialisation (B starts at zero)
     if args.adapter and state is None:
-        finetune.load_adapter(model, args.adapter, dtype=lora_dtype)
+        finetune.load_adapter(model, args.adapter, dtype=recipe.lora_dtype)
         log(f"loaded the adapter in {args.adapter}")
     else:
         lora.apply_lora(model, settings["targets"], settings["r"], settings["alpha"], settings["dropout"],
-                        settings["rslora"], dtype=lora_dtype)
+                        settings["rslora"], dtype=recipe.lora_dtype)
     if state is not None:  # --resume: A and B as they were saved
         finetune.restore_trainable(model, state["trainable"], os.path.join(args.out_dir, checkpoint.STATE))
     n_lora, n_total = lora.count_parameters(model)
     log(f"trainable parameters: {n_lora:,} of {n_total:,} ({100 * n_lora / n_total:.3f}%)")
+    if recipe.pick_amp:  # finetune_qlora.py, --dtype auto on a CPU: fp32 or bf16, whichever runs this model faster
+        amp = recipe.pick_amp(model, train_batches.get(0, 0, device), state)
+        estimate = estimate_for(amp)
 
     # --- optimiser: only the LoRA matrices ---------------------------------------------------------
     params = [p for p in model.parameters() if p.requires_grad]
@@ -200,8 +232,8 @@ def run(args, parser, argv):
     trained = step > start_step
     if trained:
         save(step)
-        log(f"saved the adapter to {args.out_dir}/{lora.CONFIG_NAME} and {lora.WEIGHTS_NAME} (PEFT layout), "
-            f"and {checkpoint.STATE} for --resume")
+        log(f"saved the adapter to {args.out_dir}/{lora.CONFIG_NAME} and {lora.WEIGHTS_NAME} (PEFT layout, "
+            f"loadable by finetune_lora.py and finetune_qlora.py --adapter), and {checkpoint.STATE} for --resume")
 
     # --- report -----------------------------------------------------------------------------------
     peak = devices.peak_memory_bytes(device)
@@ -214,12 +246,14 @@ def run(args, parser, argv):
         log("sample after fine-tuning (same prompt, same seed):\n" + "-" * 40 + "\n" + sample_after + "\n" + "-" * 40)
     merged_dir = None
     if args.merge:
-        # A fresh fp32 copy of the base (the training copy may be 16-bit) with this adapter folded in.
-        merged = finetune.load_base(model_dir, "cpu")
-        lora.apply_lora(merged, settings["targets"], settings["r"], settings["alpha"], 0.0, settings["rslora"])
-        finetune.restore_trainable(merged, finetune.trainable_state(model), "the trained model")
+        merged = model  # finetune_qlora.py: the model that was trained, its NF4 weights dequantised
+        if not recipe.merge_in_place:
+            # A fresh fp32 copy of the base (the training copy may be 16-bit) with this adapter folded in.
+            merged = finetune.load_base(model_dir, "cpu")
+            lora.apply_lora(merged, settings["targets"], settings["r"], settings["alpha"], 0.0, settings["rslora"])
+            finetune.restore_trainable(merged, finetune.trainable_state(model), "the trained model")
         merged_dir = finetune.save_merged(merged, cfg, args.out_dir)
-        log(f"merged base + adapter into {merged_dir} (Hugging Face GPT-2 layout; python train.py --init-from "
+        log(f"merged base + adapter into {merged_dir} (Hugging Face GPT-2 layout, fp32; python train.py --init-from "
             f"{merged_dir})")
     metrics_log.log(event="end", step=step, val_loss=val_loss, first_val_loss=first_val, peak_memory=peak,
                     memory_estimate=sum(estimate.values()), sample_before=sample_before, sample_after=sample_after)

@@ -334,9 +334,9 @@ def trainable_state(model: nn.Module) -> dict:
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}
 
 
-def dtype_name(amp) -> str:
-    """The compute dtype as the scripts print it: fp32 (no autocast), bf16 or fp16."""
-    return {None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp]
+def dtype_name(dtype) -> str:
+    """An autocast dtype (None: fp32, no autocast) or a tensor dtype as the scripts print it: fp32, bf16 or fp16."""
+    return {None: "fp32", torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[dtype]
 
 
 def save(run_dir, model, optimizer, step, base_dir, settings, first_val, amp, args, updates):

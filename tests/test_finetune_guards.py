@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 
 import finetune_lora
 import finetune_qlora
-from lib import checkpoint, gpt, guards
+from lib import checkpoint, gpt, guards, optim
 from lib.checkpoint import current_umask
 from tests.conftest import read_metrics, val_losses
 
@@ -92,9 +92,9 @@ def fails(capsys, call, *fragments):
 # --- work is never lost ---------------------------------------------------------------------------
 @pytest.mark.parametrize("script", ["lora", "qlora"])
 def test_nonfinite_adapter_is_never_saved_and_the_stop_names_the_last_finite_one(script, ft, tmp_path, monkeypatch, capsys):
-    real_lr_at = SCRIPTS[script].optim.lr_at
+    real_lr_at = optim.lr_at  # finetune_qlora.py runs finetune_lora.py's loop, which calls lib.optim.lr_at
     # Steps 0 and 1 are ordinary; step 2's learning rate sends A and B to infinity.
-    monkeypatch.setattr(SCRIPTS[script].optim, "lr_at", lambda step, *a: 1e39 if step == 2 else real_lr_at(step, *a))
+    monkeypatch.setattr(optim, "lr_at", lambda step, *a: 1e39 if step == 2 else real_lr_at(step, *a))
     out = tmp_path / "out"
     line = fails(capsys, lambda: ft(script, out, "--steps", "5", "--save-interval", "1"),
                  "weights are not finite at step 3", "nothing was saved", f"the last finite checkpoint is step 2 in {out}")
@@ -108,7 +108,7 @@ def test_nonfinite_adapter_is_never_saved_and_the_stop_names_the_last_finite_one
 
 
 def test_nan_loss_with_nothing_saved_says_so(ft, tmp_path, monkeypatch, capsys):
-    monkeypatch.setattr(finetune_lora.optim, "lr_at", lambda step, *a: 1e39)  # step 0 ruins A and B, step 1's loss is NaN
+    monkeypatch.setattr(optim, "lr_at", lambda step, *a: 1e39)  # step 0 ruins A and B, step 1's loss is NaN
     out = tmp_path / "out"
     fails(capsys, lambda: ft("lora", out, "--steps", "3"),
           "loss became nan at step 1", "no finite checkpoint was saved in this run")
