@@ -331,8 +331,7 @@ def make_adamw(model, lr, weight_decay, betas):
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=True)  # fused: one kernel for all
 
 
-def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio):
-    """Linear warmup to max_lr, then cosine decay to min_lr_ratio * max_lr at total_steps."""
+def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio):  # linear warmup, then cosine to min_lr_ratio
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
     progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
@@ -355,8 +354,7 @@ def estimate_memory(cfg, n_params, batch_size, device_type, amp, ddp):
             "runtime": {"cpu": 250 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)}
 
 
-def peak_memory(device):
-    """CUDA: max allocated by tensors. MPS: what the driver holds. CPU: the process's peak RSS."""
+def peak_memory(device):  # CUDA: the most allocated by tensors; MPS: what the driver holds; CPU: the peak RSS
     if device.type != "cpu":
         return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else torch.mps.driver_allocated_memory()
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
@@ -570,6 +568,8 @@ def run(args, parser, argv):
             dist.barrier()
             dist.destroy_process_group()
         sys.exit(130)  # the shell's code for Ctrl-C (torchrun itself then ends with a traceback and status 1)
+    if 0 < skipped_in_a_row == next_step - start_step:  # every update was skipped: nothing was trained
+        raise diverged("no update was applied: each was skipped for a non-finite gradient")
 
     # --- save, and the measured peak beside the estimate --------------------------------------------
     if args.steps > start_step or train_state is None:

@@ -171,6 +171,17 @@ def test_non_finite_gradients_skip_the_update_and_every_checkpoint_is_finite(scr
 
 
 @pytest.mark.parametrize("script", ["train", "onefile"])
+def test_a_run_whose_every_update_was_skipped_says_so_and_exits_2(script, corpus, tmp_path, capsys, monkeypatch):
+    # 3 steps, each gradient non-finite: fewer than the 10 in a row that stop a run, yet nothing was trained.
+    monkeypatch.setattr(torch.nn.utils, "clip_grad_norm_", lambda *a, **k: torch.tensor(float("inf")))
+    out = str(tmp_path / "skipped")
+    message = main_exits_2(SCRIPTS[script], [*small(script), "--data", corpus, "--steps", "3", "--out-dir", out],
+                           capsys)
+    assert "no update was applied" in message, message
+    assert [r["step"] for r in read_metrics(out) if r.get("skipped")] == [0, 1, 2]
+
+
+@pytest.mark.parametrize("script", ["train", "onefile"])
 def test_non_finite_weights_are_never_saved_and_the_last_finite_checkpoint_is_named(script, corpus, tmp_path,
                                                                                      capsys, monkeypatch):
     real_step = torch.optim.AdamW.step
