@@ -88,3 +88,23 @@ def torchrun(args, timeout=240, env=None):
         if proc.returncode == 0 or "SIGABRT" not in proc.stderr:
             break
     return proc
+
+
+def ctrl_c_launcher(tmp_path, script, stop_at):
+    """A file for torchrun to start instead of script: it runs script's main with each rank sending
+    itself SIGINT after update stop_at (counted by lib/rundir.Updates.record), as a terminal's Ctrl-C
+    would. Returns its path."""
+    helper = tmp_path / "ctrl_c.py"
+    helper.write_text(f"""import os, signal, sys
+sys.path.insert(0, {ROOT!r})
+from lib import rundir
+real = rundir.Updates.record
+def record(self, step, skipped):
+    real(self, step, skipped)
+    if step + 1 == {stop_at}:
+        os.kill(os.getpid(), signal.SIGINT)
+rundir.Updates.record = record
+import {script}
+{script}.main(sys.argv[1:])
+""")
+    return str(helper)

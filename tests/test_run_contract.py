@@ -21,7 +21,6 @@ import os
 import re
 import shutil
 import signal
-import textwrap
 from typing import Callable
 
 import pytest
@@ -29,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from lib import rundir
-from tests.conftest import ROOT, TINY, torchrun
+from tests.conftest import TINY, ctrl_c_launcher, torchrun
 
 
 @dataclasses.dataclass
@@ -295,21 +294,8 @@ def test_ctrl_c_saves_and_resume_continues_exactly(case, unbroken, data_flags, t
     out = tmp_path / "split"
     flags = data_flags.get(name, ())
     if case.torchrun:  # each rank sends itself SIGINT after the same update, as a terminal's Ctrl-C would
-        helper = tmp_path / "ctrl_c.py"
-        helper.write_text(textwrap.dedent(f"""
-            import os, signal, sys
-            sys.path.insert(0, {ROOT!r})
-            from lib import rundir
-            real = rundir.Updates.record
-            def record(self, step, skipped):
-                real(self, step, skipped)
-                if step + 1 == {case.stop_at}:
-                    os.kill(os.getpid(), signal.SIGINT)
-            rundir.Updates.record = record
-            import {case.script}
-            {case.script}.main(sys.argv[1:])
-        """))
-        proc = torchrun([str(helper), *case.args, *flags, case.out_flag, str(out)])
+        helper = ctrl_c_launcher(tmp_path, case.script, case.stop_at)
+        proc = torchrun([helper, *case.args, *flags, case.out_flag, str(out)])
         assert f"interrupted: saved step {case.stop_at}" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     else:
         interrupt_after(monkeypatch, case.stop_at, case.hook)

@@ -7,7 +7,6 @@ import os
 import struct
 import subprocess
 import sys
-import textwrap
 import zlib
 
 import numpy as np
@@ -18,7 +17,7 @@ from safetensors.torch import load_file
 import train_wpo_sgm_memory_efficient as w
 from lib import png, rundir
 from lib.errors import UserError
-from tests.conftest import ROOT, read_metrics, torchrun
+from tests.conftest import ROOT, ctrl_c_launcher, read_metrics, torchrun
 
 SMALL = ["--depth", "2", "--hiddenunits", "32", "--train_samples_size", "400", "--test_samples_size", "100",
          "--train_kernel_size", "20", "--batch_size", "16", "--log-interval", "1", "--num-samples", "200"]
@@ -100,22 +99,9 @@ def test_model_parallel_equals_single_gpu_on_two_ranks_through_ctrl_c_and_resume
     w.main(common + ["--strategy", "single_gpu", "--out-dir", str(tmp_path / "single")])
     # Each rank sends itself SIGINT after the same update (2 of 4), as a terminal's Ctrl-C would; the
     # ranks agree to stop after that step, rank 0 saves, and a plain --resume under torchrun continues.
-    helper = tmp_path / "ctrl_c.py"
-    helper.write_text(textwrap.dedent(f"""
-        import os, signal, sys
-        sys.path.insert(0, {ROOT!r})
-        from lib import rundir
-        real = rundir.Updates.record
-        def record(self, step, skipped):
-            real(self, step, skipped)
-            if step + 1 == 2:
-                os.kill(os.getpid(), signal.SIGINT)
-        rundir.Updates.record = record
-        import train_wpo_sgm_memory_efficient
-        train_wpo_sgm_memory_efficient.main(sys.argv[1:])
-    """))
+    helper = ctrl_c_launcher(tmp_path, "train_wpo_sgm_memory_efficient", 2)
     mp = tmp_path / "mp"
-    proc = torchrun([str(helper), *common, "--strategy", "model_parallel", "--device", "cpu", "--chunk_size", "4",
+    proc = torchrun([helper, *common, "--strategy", "model_parallel", "--device", "cpu", "--chunk_size", "4",
                      "--out-dir", str(mp)], timeout=180)
     assert "interrupted: saved step 2" in proc.stdout + proc.stderr, proc.stderr[-3000:]
     assert "model_parallel, 2 ranks x 11 centres, chunk 4" in proc.stdout
