@@ -22,7 +22,7 @@ from typing import Callable
 
 import torch
 
-from lib import checkpoint, data, finetune, guards, lora, memory, metrics, optim, rundir
+from lib import checkpoint, data, finetune, gpt, guards, lora, memory, metrics, optim, rundir
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -158,7 +158,7 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
                     args=vars(args))
     sample_before = None
     if args.sample_tokens > 0:
-        sample_before = finetune.sample(model, args, device, amp)
+        sample_before = gpt.sample(model, args, device, amp)
         log(f"sample before fine-tuning (step {start_step}):\n" + "-" * 40 + "\n" + sample_before + "\n" + "-" * 40)
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
     flops_per_token = finetune.flops_per_token(n_total, n_lora, cfg.n_layer, cfg.n_embd, args.block_size)
@@ -188,7 +188,7 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
             for micro in range(args.grad_accum):
                 x, y = train_batches.get(step, micro, device)
                 with devices.autocast(device, amp):
-                    loss = model(x, y)[1]  # not `_, loss =`: holding the logits would keep B x T x vocab alive
+                    loss = model(x, y)[1]  # (None, loss): with targets no logits are made
                 loss = loss / args.grad_accum  # so the accumulated gradient is the batch mean
                 scaler.scale(loss).backward()  # reaches A and B only: nothing else requires grad
                 loss_sum += loss.detach()
@@ -242,7 +242,7 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
         if trained else f"held-out loss on {args.data}: {val_loss:.4f} (no training steps run)")
     sample_after = None
     if args.sample_tokens > 0 and trained:
-        sample_after = finetune.sample(model, args, device, amp)
+        sample_after = gpt.sample(model, args, device, amp)
         log("sample after fine-tuning (same prompt, same seed):\n" + "-" * 40 + "\n" + sample_after + "\n" + "-" * 40)
     merged_dir = None
     if args.merge:

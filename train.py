@@ -226,17 +226,6 @@ def restore(train_state, optimizer, args, log):
     return start_step, train_state.get("first_val_loss")
 
 
-def sample(raw_model, args, device, amp):
-    """--sample-tokens tokens after --prompt (or <|endoftext|>: a new file), from a generator seeded with --seed."""
-    raw_model.eval()
-    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    with devices.autocast(device, amp):
-        out = raw_model.generate(torch.tensor([prompt], device=device), args.sample_tokens, args.temperature,
-                                 args.top_k, generator=g)
-    return tokenizer.decode(t for t in out[0].tolist() if t != tokenizer.EOT)
-
-
 def run(args, parser, argv):
     # --- checks before any work -------------------------------------------------------------------
     check_args(args)
@@ -341,7 +330,7 @@ def run(args, parser, argv):
                 last_micro = micro == args.grad_accum - 1
                 with model.no_sync() if dist_info.enabled and not last_micro else contextlib.nullcontext():
                     with devices.autocast(device, amp):
-                        loss = model(x, y)[1]  # drop the logits now: holding them costs B x T x vocab floats
+                        loss = model(x, y)[1]  # (None, loss): with targets no logits are made
                     loss = loss / args.grad_accum  # so the accumulated gradient is the batch mean
                     scaler.scale(loss).backward()
                 loss_sum += loss.detach()
@@ -400,7 +389,7 @@ def run(args, parser, argv):
     # --- report -----------------------------------------------------------------------------------
     peak = devices.peak_memory_bytes(device)
     log(memory.format_table(estimate, peak, f"measured ({devices.memory_label(device)})"))
-    text = sample(raw_model, args, device, amp) if args.sample_tokens > 0 and dist_info.is_main else None
+    text = gpt.sample(raw_model, args, device, amp) if args.sample_tokens > 0 and dist_info.is_main else None
     if text is not None:
         log("sample:\n" + "-" * 40 + "\n" + text + "\n" + "-" * 40)
     metrics_log.log(event="end", step=step, val_loss=val_loss, peak_memory=peak,

@@ -28,7 +28,6 @@ import functools
 import math
 import os
 import shutil
-import signal
 import sys
 import time
 
@@ -45,7 +44,7 @@ from safetensors import SafetensorError, safe_open
 from torch.utils.checkpoint import checkpoint as recompute
 
 import train
-from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, rundir, tokenizer
+from lib import checkpoint, data, distributed, gpt, guards, hub, memory, metrics, optim, rundir
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -330,18 +329,6 @@ def check_finite_shards(model, step, last_finite, out_dir):
                         f"the data")
 
 
-@torch.no_grad()
-def sample(model, args, device):
-    """Every rank runs the same forwards (each all-gathers the weights), drawing from the same seeded
-    generator, so the ranks stay in step; rank 0's text is the one printed."""
-    model.eval()
-    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    out = model.generate(torch.tensor([prompt], device=device), args.sample_tokens, args.temperature, args.top_k,
-                         generator=g)
-    return tokenizer.decode(t for t in out[0].tolist() if t != tokenizer.EOT)
-
-
 def local(t):
     return t.to_local() if isinstance(t, DTensor) else t
 
@@ -471,7 +458,7 @@ def print_estimate(cfg, n_params, block_size, estimate, args, mesh, mp_dtype, de
     log(memory.format_columns({f"FSDP2, 1 of {world}": estimate, "DDP / unsharded": unsharded},
                               f"memory estimate per rank (lib/memory.py, batch {args.batch_size} x {block_size}, "
                               f"{'bf16' if mp_dtype else 'fp32'}):"))
-    log("activations and logits belong to each rank's own micro-batch and are never sharded: lower "
+    log("activations and the loss's chunk of logits belong to each rank's own micro-batch and are never sharded: lower "
         "--batch-size, add --activation-checkpointing (and --mixed-precision bf16 on a GPU) to shrink them")
     return {"estimate": estimate, "unsharded": unsharded, "params_per_rank": counts, "n_params": n_params}
 
@@ -567,10 +554,9 @@ def run(args, parser, argv):
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
     flops_per_step = metrics.flops_per_token(n_params, cfg.n_layer, cfg.n_embd, block_size) * tokens_per_step
     speed = metrics.Throughput(args.steps, start_step)
-    # Ctrl-C only raises a flag: the ranks agree at the end of each step to stop, so all of them reach
-    # the collective save together instead of one leaving while the others wait in an all-gather.
-    stop = {"requested": False}
-    previous_handler = signal.signal(signal.SIGINT, lambda *_: stop.update(requested=True))
+    # Under torchrun, Ctrl-C only raises a flag: the ranks agree at the end of each step to stop, so all of
+    # them reach the collective save together instead of one leaving while the others wait in an all-gather.
+    ctrl_c = distributed.catch_ctrl_c(dist_info)
     # next_step is what a checkpoint records: it moves only once the step's update has been applied.
     next_step = start_step
     # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
@@ -597,7 +583,7 @@ def run(args, parser, argv):
                 # Reduce-scatter only after the last micro-batch; until then each rank adds into unsharded
                 # gradients (memory for the whole model's gradients, but one reduce-scatter per step).
                 model.set_requires_gradient_sync(micro == args.grad_accum - 1)
-                loss = model(x, y)[1]  # drop the logits now: holding them costs B x T x vocab floats
+                loss = model(x, y)[1]  # (None, loss): with targets no logits are made
                 loss = loss / args.grad_accum  # so the accumulated gradient is the batch mean
                 loss.backward()
                 loss_sum += loss.detach()
@@ -635,9 +621,7 @@ def run(args, parser, argv):
                 log(metrics.progress_line(step, args.steps, loss_value, lr, tok_s, mfu, mem, eta, " (rank 0)"))
             metrics_log.log(**record)
 
-            stop_now = torch.tensor(float(stop["requested"]), device=device)
-            dist.all_reduce(stop_now, op=dist.ReduceOp.MAX)  # every rank learns whether any rank saw Ctrl-C
-            if stop_now.item():
+            if distributed.stop_requested(ctrl_c, dist_info, device):
                 raise KeyboardInterrupt  # on every rank, after the same finished step
             if next_step % args.save_interval == 0 and next_step < args.steps:
                 save_sharded(run_dir, model, optimizer, next_step, cfg, args, first_val, updates)
@@ -645,8 +629,6 @@ def run(args, parser, argv):
         rundir.save_on_interrupt(lambda: save_sharded(run_dir, model, optimizer, next_step, cfg, args, first_val,
                                                       updates), next_step, args.out_dir, is_main,
                                  cleanup=lambda: distributed.cleanup(dist_info))
-    finally:
-        signal.signal(signal.SIGINT, previous_handler)
     step = next_step
     updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 
@@ -669,7 +651,7 @@ def run(args, parser, argv):
     peak = ranks[0]["peak"]
     log(memory.format_table(estimate, peak, f"measured (rank 0 {devices.memory_label(device)})"))
     tokens_per_s = timed_tokens / timed_seconds if timed_seconds else None
-    text = sample(model, args, device) if args.sample_tokens > 0 else None
+    text = gpt.sample(model, args, device) if args.sample_tokens > 0 else None
     if text is not None:
         log("sample:\n" + "-" * 40 + "\n" + text + "\n" + "-" * 40)
     metrics_log.log(event="end", step=step, val_loss=val_loss, peak_memory=peak, memory_per_rank=ranks,

@@ -236,7 +236,8 @@ class AdamW8bit(torch.optim.Optimizer):
                 w.mul_(1 - lr * wd)
             # m / denominator first, then the step size: addcdiv_'s value= must fit in fp32, and an absurd
             # --lr (1e38) should make the weights inf, which the run then refuses to save, not a traceback.
-            w.sub_(torch.div(m, v.sqrt().div_(bias2_sqrt).add_(eps)).mul_(step_size))
+            d = v.sqrt().div_(bias2_sqrt).add_(eps)
+            w.sub_(torch.div(m, d, out=d).mul_(step_size))  # the quotient in the denominator's buffer
             if eight_bit:
                 for codes, absmax, moment, signed in (("state1", "absmax1", m, True), ("state2", "absmax2", v, False)):
                     new_codes, new_absmax = quantize_blockwise(moment, signed, self.block_size)

@@ -507,7 +507,7 @@ def check_model_dir(name_or_dir: str, cache_dir: str = None, log=print, allow_mi
             meta = {k: torch.empty(shape) for k, shape in shapes.items()}
             attempt(lambda: from_hf_state_dict(meta, cfg, path, allow_missing_head=allow_missing_head, log=lambda *a: None,
                                                model=build_model(cfg)))
-    tok = attempt(lambda: wordpiece.load_tokenizer(model_dir, log=log))
+    tok = attempt(lambda: wordpiece.load_tokenizer(model_dir, log=lambda *a: None))  # the script's own load prints its notes
     if tok is not None and cfg is not None and tok.vocab_size > cfg.vocab_size:
         problems.append(f"{tok.where}: the tokenizer has {tok.vocab_size:,} ids but {os.path.join(model_dir, CONFIG)} "
                         f"says vocab_size {cfg.vocab_size:,}; the tokenizer does not belong to this model (use the "

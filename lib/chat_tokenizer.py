@@ -31,6 +31,7 @@ import regex  # tiktoken's own dependency: the \p{L} classes the tokenizers' spl
 import tiktoken
 
 from lib.errors import UserError
+from lib.wordpiece import BEHAVIORS, char_spans, split_piece  # the tokenizers library's Split, shared
 
 # GPT-2's pre-tokeniser split (ByteLevel with use_regex=true).
 GPT2_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
@@ -100,41 +101,8 @@ def read_normalizer(spec: dict | None, where: str) -> list[str]:
 
 
 # --- stage 2: pre-tokenizers --------------------------------------------------------------------------
-def split_piece(piece: str, spans: list[tuple[int, int, bool]], behavior: str) -> list[str]:
-    """Cut `piece` by (start, end, is_match) spans that cover it, as the tokenizers library's Split does:
-    Isolated keeps every span; Removed drops the matches; MergedWithPrevious / MergedWithNext glue each
-    match to the span before / after it; Contiguous joins runs of neighbouring matches."""
-    out: list[list[int]] = []  # [start, end] of each new piece
-    if behavior == "Removed":
-        out = [[s, e] for s, e, m in spans if not m]
-    elif behavior == "Isolated":
-        out = [[s, e] for s, e, _ in spans]
-    elif behavior == "Contiguous":
-        previous = False
-        for s, e, m in spans:
-            if out and m == previous:
-                out[-1][1] = e
-            else:
-                out.append([s, e])
-            previous = m
-    elif behavior == "MergedWithPrevious":
-        previous = False
-        for s, e, m in spans:
-            if out and m and not previous:
-                out[-1][1] = e
-            else:
-                out.append([s, e])
-            previous = m
-    elif behavior == "MergedWithNext":
-        previous = False
-        for s, e, m in reversed(spans):
-            if out and m and not previous:
-                out[-1][0] = s
-            else:
-                out.append([s, e])
-            previous = m
-        out.reverse()
-    return [piece[s:e] for s, e in out if e > s]
+def _is_numeric(ch: str) -> bool:  # Unicode category N*, Rust's char::is_numeric: what Digits splits at
+    return unicodedata.category(ch)[0] == "N"
 
 
 def _regex_spans(pattern, piece: str, invert: bool) -> list[tuple[int, int, bool]]:
@@ -149,22 +117,7 @@ def _regex_spans(pattern, piece: str, invert: bool) -> list[tuple[int, int, bool
     return spans
 
 
-def _digit_spans(piece: str) -> list[tuple[int, int, bool]]:
-    """Every numeric character (Unicode category N*, Rust's char::is_numeric) is a match of its own."""
-    spans, last = [], 0
-    for i, c in enumerate(piece):
-        if unicodedata.category(c)[0] == "N":
-            if i > last:
-                spans.append((last, i, False))
-            spans.append((i, i + 1, True))
-            last = i + 1
-    if last < len(piece):
-        spans.append((last, len(piece), False))
-    return spans
-
-
 _GPT2_SPLIT = regex.compile(GPT2_PATTERN)
-BEHAVIORS = ("Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous")
 
 
 def read_pre_tokenizer(spec: dict | None, where: str) -> list:
@@ -199,7 +152,7 @@ def read_pre_tokenizer(spec: dict | None, where: str) -> list:
             funcs.append(lambda p, c=compiled, b=behavior, i=invert: split_piece(p, _regex_spans(c, p, i), b))
         elif kind == "Digits":
             behavior = "Isolated" if step.get("individual_digits") else "Contiguous"
-            funcs.append(lambda p, b=behavior: split_piece(p, _digit_spans(p), b))
+            funcs.append(lambda p, b=behavior: split_piece(p, char_spans(p, _is_numeric), b))
         elif kind == "ByteLevel":
             prefix, use_regex = bool(step.get("add_prefix_space")), step.get("use_regex", True)
 
@@ -320,13 +273,13 @@ class Tokenizer:
         for step in self.pre_tokenizer:
             pieces = [q for p in pieces for q in step(p)]
         ids = []
-        for piece in pieces:
-            chars = "".join(_B2U[b] for b in piece.encode("utf-8"))
-            if chars not in self._cache:
+        for piece in pieces:  # cached by the piece itself: a repeated word costs one dict lookup
+            hit = self._cache.get(piece)
+            if hit is None:
                 if len(self._cache) > 200_000:
                     self._cache.clear()
-                self._cache[chars] = self._bpe_ids(chars)
-            ids += self._cache[chars]
+                hit = self._cache[piece] = self._bpe_ids("".join(_B2U[b] for b in piece.encode("utf-8")))
+            ids += hit
         return ids
 
     def _bpe_ids(self, chars: str) -> list[int]:

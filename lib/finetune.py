@@ -315,20 +315,6 @@ def evaluate(model, batches, n_batches, device, amp) -> float:
     return (total / n_batches).item()
 
 
-@torch.no_grad()
-def sample(model, args, device, amp) -> str:
-    """args.sample_tokens tokens after args.prompt, from a generator seeded with args.seed, so the
-    sample before and after fine-tuning starts from the same random numbers."""
-    model.eval()
-    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
-    idx = torch.tensor([prompt], device=device)
-    g = torch.Generator(device=device).manual_seed(args.seed)
-    with devices.autocast(device, amp):
-        out = model.generate(idx, args.sample_tokens, args.temperature, args.top_k, generator=g)
-    model.train()
-    return tokenizer.decode(t for t in out[0].tolist() if t != tokenizer.EOT)
-
-
 def trainable_state(model: nn.Module) -> dict:
     """The tensors the optimizer updates (the LoRA A and B matrices), by parameter name, on CPU."""
     return {n: p.detach().cpu().clone() for n, p in model.named_parameters() if p.requires_grad}

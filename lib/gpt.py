@@ -13,7 +13,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from lib import lm_loss
+from lib import device as devices
+from lib import lm_loss, tokenizer
 
 
 @dataclass
@@ -262,3 +263,20 @@ def from_hf_state_dict(sd: dict) -> dict:
     if "lm_head.weight" not in out and "transformer.wte.weight" in out:
         out["lm_head.weight"] = out["transformer.wte.weight"]
     return out
+
+
+@torch.no_grad()
+def sample(model, args, device, amp=None) -> str:
+    """args.sample_tokens tokens after args.prompt (or <|endoftext|>: the start of a new file), from a
+    generator seeded with args.seed: train.py's and train_fsdp.py's sample at the end, and
+    finetune_lora.py's before and after fine-tuning, which start from the same random numbers. Under
+    FSDP every rank runs the same forwards (each all-gathers the weights), so the ranks stay in step."""
+    was_training = model.training
+    model.eval()
+    prompt = tokenizer.encode(args.prompt) if args.prompt else [tokenizer.EOT]
+    g = torch.Generator(device=device).manual_seed(args.seed)
+    with devices.autocast(device, amp):
+        out = model.generate(torch.tensor([prompt], device=device), args.sample_tokens, args.temperature,
+                             args.top_k, generator=g)
+    model.train(was_training)
+    return tokenizer.decode(t for t in out[0].tolist() if t != tokenizer.EOT)

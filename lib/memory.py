@@ -43,7 +43,7 @@ def activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool
 
 def logits_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool = False) -> int:
     """What the plain loss, F.cross_entropy over the whole [B, T, vocab] logits, would hold: no
-    estimate uses it since lib/lm_loss; kept to show what the chunked loss saves (docs, bench).
+    estimate uses it since lib/lm_loss; kept to show what the chunked loss saves (docs/big_vocab_loss.md).
 
     fp32: logits, log-probabilities, their gradient and the logits' gradient, 16 bytes per value
     (measured on CPU: 16.2). Under 16-bit autocast, by count: 16-bit logits, their fp32 copy,

@@ -126,10 +126,15 @@ def _lowercase(text: str) -> str:
 
 # ---- stage 2: normalizers, as tokenizer.json describes them ----
 
-def _bert_normalizer(spec: dict):
-    clean, cjk = spec.get("clean_text", True), spec.get("handle_chinese_chars", True)
+def _bert_settings(spec: dict) -> tuple:
+    """A BertNormalizer's (clean_text, handle_chinese_chars, strip_accents, lowercase), defaults filled in."""
     lower = spec.get("lowercase", True)
     strip = lower if spec.get("strip_accents") is None else spec["strip_accents"]  # null: do what lowercasing does
+    return spec.get("clean_text", True), spec.get("handle_chinese_chars", True), bool(strip), bool(lower)
+
+
+def _bert_normalizer(spec: dict):
+    clean, cjk, strip, lower = _bert_settings(spec)
     table = _BERT_TABLES[(cjk, clean)] if (cjk or clean) else None
 
     def normalize(text):
@@ -187,36 +192,45 @@ def _chain(steps, text):
 
 # ---- stage 3: pre-tokenizers ----
 
-def _split(text: str, is_delimiter, behavior: str) -> list:
-    """Cut text at every character is_delimiter accepts, as tokenizers' NormalizedString.split does:
-    Removed drops the delimiters, Isolated keeps each as a word, Contiguous keeps each run of them as
-    one word, MergedWithPrevious / MergedWithNext glue each to the word before / after."""
-    parts, start = [], 0  # (text, is it a delimiter)
+# The tokenizers library's Split behaviours, shared with lib/chat_tokenizer.py's byte-level BPE.
+BEHAVIORS = ("Removed", "Isolated", "Contiguous", "MergedWithPrevious", "MergedWithNext")
+
+
+def split_piece(piece: str, spans: list, behavior: str) -> list:
+    """Cut `piece` by (start, end, is_match) spans that cover it, as the tokenizers library's Split does:
+    Isolated keeps every span; Removed drops the matches; MergedWithPrevious / MergedWithNext glue each
+    match to the span before / after it; Contiguous joins runs of neighbouring matches."""
+    if behavior in ("Removed", "Isolated"):
+        return [piece[s:e] for s, e, match in spans if e > s and not (match and behavior == "Removed")]
+    backwards = behavior == "MergedWithNext"
+    out, previous = [], False  # [start, end] of each new piece
+    for s, e, match in reversed(spans) if backwards else spans:
+        glue = match == previous if behavior == "Contiguous" else match and not previous
+        if out and glue:
+            out[-1][0 if backwards else 1] = s if backwards else e
+        else:
+            out.append([s, e])
+        previous = match
+    return [piece[s:e] for s, e in (reversed(out) if backwards else out) if e > s]
+
+
+def char_spans(text: str, is_delimiter) -> list:
+    """(start, end, is_match) spans of text: every character is_delimiter accepts is a match of its own."""
+    spans, last = [], 0
     for i, ch in enumerate(text):
         if is_delimiter(ch):
-            if start < i:
-                parts.append((text[start:i], False))
-            parts.append((ch, True))
-            start = i + 1
-    if start < len(text):
-        parts.append((text[start:], False))
-    if behavior == "Removed":
-        return [p for p, delim in parts if not delim]
-    if behavior == "Isolated":
-        return [p for p, _ in parts]
-    order = reversed(parts) if behavior == "MergedWithNext" else parts
-    out, previous = [], False
-    for piece, delim in order:
-        if behavior == "Contiguous":
-            merge = delim == previous
-        else:
-            merge = delim and not previous
-        if merge and out:
-            out[-1] = piece + out[-1] if behavior == "MergedWithNext" else out[-1] + piece
-        else:
-            out.append(piece)
-        previous = delim
-    return out[::-1] if behavior == "MergedWithNext" else out
+            if i > last:
+                spans.append((last, i, False))
+            spans.append((i, i + 1, True))
+            last = i + 1
+    if last < len(text):
+        spans.append((last, len(text), False))
+    return spans
+
+
+def _split(text: str, is_delimiter, behavior: str) -> list:
+    """Cut text at every character is_delimiter accepts, as tokenizers' NormalizedString.split does."""
+    return split_piece(text, char_spans(text, is_delimiter), behavior)
 
 
 def _whitespace_words(text: str) -> list:
@@ -224,9 +238,6 @@ def _whitespace_words(text: str) -> list:
     non-space characters; spaces dropped."""
     kind = lambda ch: 0 if ch in WHITESPACE else 1 if _is_word_char(ch) else 2  # noqa: E731
     return ["".join(run) for k, run in itertools.groupby(text, kind) if k]
-
-
-BEHAVIORS = ("Removed", "Isolated", "Contiguous", "MergedWithPrevious", "MergedWithNext")
 
 
 def compile_pre_tokenizer(spec, where: str):
@@ -735,9 +746,7 @@ load_wordpiece = load_tokenizer  # the name train_splade_*.py knew first
 def _effective_bert_normalizer(spec):
     if not isinstance(spec, dict) or spec.get("type") != "BertNormalizer":
         return spec
-    lower = spec.get("lowercase", True)
-    strip = lower if spec.get("strip_accents") is None else spec["strip_accents"]
-    return (spec.get("clean_text", True), spec.get("handle_chinese_chars", True), bool(strip), bool(lower))
+    return _bert_settings(spec)
 
 
 def _differences(tj: dict, tok: WordPiece) -> list:
