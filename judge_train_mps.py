@@ -738,8 +738,7 @@ def save_state(run_dir, args, model, optimizer, scaler, progress: Progress, last
         "step": progress.step, "progress": dataclasses.asdict(progress), "trainable": trainable,
         "lora": {"r": lora_layer.r, "alpha": lora_layer.alpha},
         "optimizer": optimizer.state_dict(), "scaler": scaler.state_dict() if scaler.is_enabled() else None,
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []})
+        **devices.rng_states()})
 
 
 def save_best_adapter(model, tok, out_dir, base_name, step, last_best):
@@ -761,9 +760,7 @@ def restore(state: dict, path: str, model, optimizer, scaler) -> Progress:
         optimizer.load_state_dict(state["optimizer"])
         if state.get("scaler") and scaler.is_enabled():
             scaler.load_state_dict(state["scaler"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        devices.restore_rng_states(state)  # dropout draws from them
         return Progress(**state["progress"])
     except (KeyError, TypeError, ValueError, RuntimeError) as e:
         raise rundir.damaged(path, f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else e!r}") from None

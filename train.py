@@ -152,8 +152,7 @@ def save(run_dir, raw_model, optimizer, step, args, first_val, updates, dist_inf
         rundir.save_state(run_dir, args, {
             "step": step,
             "optimizer": optimizer.state_dict(),
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+            **devices.rng_states(),
             "data_position": step,  # batches are a function of (seed, step): the step is the position
             "first_val_loss": first_val,  # so a resumed run reports where the whole run started
         })
@@ -215,9 +214,7 @@ def restore(train_state, optimizer, args, log):
     if train_state is None:
         return 0, None
     optimizer.load_state_dict(train_state["optimizer"])
-    torch.set_rng_state(train_state["rng_cpu"])
-    if train_state["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(train_state["rng_cuda"])
+    devices.restore_rng_states(train_state)
     start_step = train_state["step"]
     if args.steps < start_step:
         raise UserError(f"--resume: {args.out_dir} is already at step {start_step}; pass --steps {start_step} or more")

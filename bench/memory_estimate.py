@@ -11,7 +11,6 @@ CPU (peak RSS) and 20% on CUDA (max allocated).
 import argparse
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -25,14 +24,6 @@ SHAPES = [
     "--n-embd 256 --n-head 4",
     "--n-layer 8 --batch-size 12",
 ]
-UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
-
-
-def parse_bytes(text):
-    number, unit = text.split()
-    return float(number) * UNITS[unit]
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--shapes", nargs="*", default=SHAPES, help="train.py flags per shape")
@@ -50,11 +41,12 @@ def main(argv=None):
         out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if out.returncode:
             sys.exit(f"train.py {shape} failed:\n{out.stderr[-2000:]}")
-        predicted = re.search(r"total \(predicted peak\)\s+([\d.]+ \w+)", out.stdout).group(1)
-        measured = re.search(r"measured \([^)]*\)\s+([\d.]+ \w+)", out.stdout).group(1)
-        ratio = parse_bytes(measured) / parse_bytes(predicted)
-        rows.append({"flags": shape or "(defaults)", "predicted": predicted, "measured": measured,
-                     "measured_over_predicted": round(ratio, 3)})
+        with open(os.path.join(work, str(i), "metrics.jsonl")) as f:  # the run's exact bytes, in its end record
+            end = [json.loads(line) for line in f][-1]
+        predicted, measured = end["memory_estimate"], end["peak_memory"]
+        rows.append({"flags": shape or "(defaults)", "predicted": f"{predicted / 2**20:.2f} MiB",
+                     "measured": f"{measured / 2**20:.2f} MiB",
+                     "measured_over_predicted": round(measured / predicted, 3)})
         print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     limit = 0.30 if args.device == "cpu" else 0.20
     report = {"bench": "memory_estimate", "device": args.device, "shapes": rows,

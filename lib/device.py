@@ -72,6 +72,19 @@ def seed_everything(seed: int):
     torch.manual_seed(seed)  # also seeds every CUDA device
 
 
+def rng_states() -> dict:
+    """The random states dropout draws from, as a training state saves them for an exact --resume."""
+    return {"rng_cpu": torch.get_rng_state(),
+            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+
+
+def restore_rng_states(state: dict):
+    """Put back what rng_states saved (the CUDA states only where CUDA is here)."""
+    torch.set_rng_state(state["rng_cpu"])
+    if state["rng_cuda"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["rng_cuda"])
+
+
 def reset_peak_memory(device: torch.device):
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

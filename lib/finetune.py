@@ -336,8 +336,7 @@ def save(run_dir, model, optimizer, step, base_dir, settings, first_val, amp, ar
         "step": step,
         "trainable": trainable,
         "optimizer": optimizer.state_dict(),
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        **devices.rng_states(),
         "base": os.path.abspath(base_dir),
         "lora": settings,
         "first_val_loss": first_val,
@@ -436,9 +435,7 @@ def restore_optimizer(state: dict, optimizer) -> tuple:
     """--resume: the AdamW moments and the RNG states (LoRA dropout draws from them) as they were saved.
     Returns (the step to continue from, the run's first held-out loss)."""
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng_cpu"])
-    if state["rng_cuda"] and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["rng_cuda"])
+    devices.restore_rng_states(state)
     return state["step"], state["first_val_loss"]
 
 

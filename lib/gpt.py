@@ -156,9 +156,7 @@ class GPT(nn.Module):
         x = self.hidden_states(idx)
         if targets is None:
             return self.lm_head(x[:, -logits_to_keep:] if logits_to_keep else x), None
-        if type(self.lm_head) is not nn.Linear:  # a LoRA-wrapped head (--lora-targets lm_head): the plain way
-            return None, lm_loss.logits_cross_entropy(self.lm_head(x), targets)
-        return None, lm_loss.linear_cross_entropy(x, self.lm_head.weight, targets)
+        return None, lm_loss.head_loss(x, self.lm_head, targets)  # a LoRA-wrapped head: the plain loss
 
     @torch.no_grad()
     def generate(self, idx, max_new_tokens, temperature=1.0, top_k=None, generator=None):

@@ -372,9 +372,7 @@ class Llama(nn.Module):
         """
         x = self.hidden_states(input_ids, attention_mask, kv_cache, position_ids)
         if labels is not None:
-            if type(self.lm_head) is not nn.Linear:  # an adapted or quantised head: the plain way
-                return lm_loss.logits_cross_entropy(self.lm_head(x)[:, :-1], labels[:, 1:])
-            return lm_loss.causal_lm_loss(x, self.lm_head.weight, labels)
+            return lm_loss.head_loss(x, self.lm_head, lm_loss.shift_labels(labels))  # adapted head: the plain loss
         if logits_to_keep:
             x = x[:, -logits_to_keep:]
         return self.lm_head(x)

@@ -43,6 +43,7 @@ stops on a non-finite loss.
 """
 
 import torch
+import torch.nn as nn
 import torch.nn.functional as F
 
 # Rows per chunk: at least MIN_CHUNK_ROWS, more while the chunk's fp32 logits fit CHUNK_BYTES. Fewer
@@ -260,13 +261,26 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
                                      grad_on and weight.requires_grad)
 
 
+def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """labels [B, T] moved one to the left, the last position ignored: position t then predicts label
+    t + 1. The labels are shifted, not the hidden states, so no copy of [B, T-1, C] is made."""
+    return torch.cat((labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)), dim=1)
+
+
 def causal_lm_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, ignore_index: int = -100,
                    chunk_size: int | None = None, recompute: bool = False) -> torch.Tensor:
     """Next-token loss as Hugging Face's `model(ids, labels=labels).loss`: position t predicts label
-    t + 1 (hidden [B, T, C], labels [B, T], -100 ignored). The labels are shifted, not the hidden
-    states: the last position gets -100, so no copy of [B, T-1, C] is made."""
-    shifted = torch.cat((labels[:, 1:], labels.new_full((labels.shape[0], 1), ignore_index)), dim=1)
-    return linear_cross_entropy(hidden, weight, shifted, ignore_index, chunk_size, recompute=recompute)
+    t + 1 (hidden [B, T, C], labels [B, T], -100 ignored)."""
+    return linear_cross_entropy(hidden, weight, shift_labels(labels, ignore_index), ignore_index, chunk_size,
+                                recompute=recompute)
+
+
+def head_loss(hidden: torch.Tensor, head: nn.Module, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
+    """The loss of a model's head module: the chunked loss above for a plain bias-free nn.Linear;
+    any other head (LoRA-adapted, quantised) makes its logits and gets the plain loss."""
+    if type(head) is nn.Linear and head.bias is None:
+        return linear_cross_entropy(hidden, head.weight, targets, ignore_index)
+    return logits_cross_entropy(head(hidden), targets, ignore_index)
 
 
 def logits_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:
