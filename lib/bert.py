@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lib import hub, wordpiece
-from lib.checkpoint import atomic_write, save_json
+from lib.checkpoint import atomic_write, read_safetensors_header, save_json
 from lib.errors import UserError
 
 ACTIVATIONS = {
@@ -446,21 +446,8 @@ def read_weight_shapes(model_dir: str) -> tuple:
     if path.endswith(".bin"):
         sd = _load_torch_bin(path, mmap=zipfile.is_zipfile(path))
         return {k: tuple(v.shape) for k, v in sd.items()}, path
-    size = os.path.getsize(path)
-    try:
-        with open(path, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if not 2 <= n <= size - 8:
-                raise ValueError(f"a header of {n} bytes in a file of {size}")
-            header = json.loads(f.read(n))
-        header.pop("__metadata__", None)
-        shapes = {k: tuple(e["shape"]) for k, e in header.items()}
-        end = max((e["data_offsets"][1] for e in header.values()), default=0)
-    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e}); download or save it again") from None
-    if 8 + n + end > size:
-        raise UserError(f"{path} is truncated ({size:,} bytes; its tensors end at byte {8 + n + end:,}); download or "
-                        f"save it again")
+    header, _ = read_safetensors_header(path, "pass a model directory with its weights", dtypes=None)
+    shapes = {k: tuple(e["shape"]) for k, e in header.items()}
     return shapes, path
 
 

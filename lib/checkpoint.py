@@ -159,24 +159,33 @@ def load_training_state(out_dir: str) -> dict:
 SAFETENSORS_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64}
 
 
-def read_safetensors_header(path: str, missing_hint: str):
-    """(header without its metadata, offset where the tensor bytes start), checked: float tensors
-    only, and every byte range inside the file, so a truncated download fails before any work."""
+def read_safetensors_header(path: str, missing_hint: str, dtypes=SAFETENSORS_DTYPES):
+    """(header without its metadata, offset where the tensor bytes start), checked: every byte range
+    inside the file, so a truncated download fails before any work, and (unless dtypes is None) float
+    tensors only."""
     try:
+        size = os.path.getsize(path)
         with open(path, "rb") as f:
             n = int.from_bytes(f.read(8), "little")
+            if not 2 <= n <= size - 8:
+                raise ValueError(f"a header of {n} bytes in a file of {size}")
             header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        end = max((e["data_offsets"][1] for e in header.values()), default=0)
+        if not all(isinstance(e["shape"], list) for e in header.values()):
+            raise ValueError("a tensor entry without a shape list")
     except FileNotFoundError:
         raise UserError(f"{path} is missing; {missing_hint}") from None
-    except (ValueError, OSError, MemoryError, OverflowError) as e:
-        raise UserError(f"{path} cannot be read as safetensors ({type(e).__name__}); download or save it again") from None
-    header.pop("__metadata__", None)
-    for name, entry in header.items():
-        if entry.get("dtype") not in SAFETENSORS_DTYPES:
+    except (ValueError, KeyError, TypeError, AttributeError, OSError, MemoryError, OverflowError) as e:
+        raise UserError(f"{path} cannot be read as safetensors ({type(e).__name__}: {e}); download or save it "
+                        f"again") from None
+    for name, entry in header.items() if dtypes is not None else ():
+        if entry.get("dtype") not in dtypes:
             raise UserError(f"{path}: tensor {name} has dtype {entry.get('dtype')}; expected a float checkpoint "
                             f"(pre-quantised checkpoints are not supported)")
-    if 8 + n + max((e["data_offsets"][1] for e in header.values()), default=0) > os.path.getsize(path):
-        raise UserError(f"{path} is truncated (its tensors end past the end of the file); download or save it again")
+    if 8 + n + end > size:
+        raise UserError(f"{path} is truncated ({size:,} bytes; its tensors end at byte {8 + n + end:,}); download or "
+                        f"save it again")
     return header, 8 + n
 
 
