@@ -145,7 +145,7 @@ def check_adapter_config(path):
     try:
         lora.read_adapter_config(os.path.dirname(path))
     except ValueError as e:
-        raise rundir.damaged(path, str(e).split(": ", 2)[-1]) from None
+        raise rundir.damaged(path, str(e).removeprefix(f"load_adapter: {path} ")) from None  # what is wrong
 
 
 # The run directory (lib/rundir.py): a saved run is the training state and the best adapter. The fixed
@@ -557,11 +557,7 @@ def runtime_bytes(device):
     if device.type != "cpu":
         return None
     import torch._dynamo  # noqa: F401
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:  # not Linux: the peak so far is the nearest figure
-        return devices.peak_memory_bytes(device)
+    return devices.resident_bytes()
 
 
 def print_estimate(args, recipe: Recipe, train_set, val_set, test_set, log=print) -> dict:

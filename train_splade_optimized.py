@@ -199,15 +199,6 @@ class OffloadedAdamW:
 
 
 # --- memory tracking ------------------------------------------------------------------------------
-def rss_bytes():
-    """The process's resident memory now (Linux: /proc; elsewhere the peak is the best we have)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except OSError:
-        return devices.peak_memory_bytes(torch.device("cpu"))
-
-
 def device_allocated(device):
     if device.type == "cuda":
         return torch.cuda.memory_allocated(device)
@@ -228,7 +219,7 @@ def make_after_step(args, device):
             elif device.type == "mps":
                 torch.mps.empty_cache()
         if args.memory_tracking and step % args.memory_tracking_interval == 0:
-            rss, alloc, peak = rss_bytes(), device_allocated(device), devices.peak_memory_bytes(device)
+            rss, alloc, peak = devices.resident_bytes(), device_allocated(device), devices.peak_memory_bytes(device)
             record.update(rss=rss, device_allocated=alloc, peak_memory=peak)
             note = f" (rss {metrics.format_bytes(rss)}" + (
                 f", {device.type} {metrics.format_bytes(alloc)}" if alloc is not None else "") + ")"
@@ -286,7 +277,7 @@ def run(args, run_dir):
         raise UserError(out_of_memory_advice(args, device)) from None
     if args.memory_tracking and not args.estimate_memory:
         print(f"memory: peak {metrics.format_bytes(devices.peak_memory_bytes(device))} "
-              f"({devices.memory_label(device)}), resident now {metrics.format_bytes(rss_bytes())}")
+              f"({devices.memory_label(device)}), resident now {metrics.format_bytes(devices.resident_bytes())}")
     return result
 
 

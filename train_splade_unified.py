@@ -952,9 +952,7 @@ def run(args, run_dir, variant=None):
     if run_dir.resumed:
         state = run_dir.state
         optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng_cpu"])
-        if state["rng_cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["rng_cuda"])
+        devices.restore_rng_states(state)
         start_step, progress = state["step"], {**progress, **json.loads(state["run"])}
         if total_steps < start_step:
             raise UserError(f"--resume: {out} is already at step {start_step}; pass --steps {start_step} or more")
@@ -972,9 +970,8 @@ def run(args, run_dir, variant=None):
     def save(step):
         """The model (Hugging Face layout), then what --resume needs; step = the next step to run."""
         save_model(out, model, cfg, tokenizer, step, updates.last_saved)
-        rng_cuda = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []
         rundir.save_state(run_dir, args, {"step": step, "optimizer": optimizer.state_dict(), "run": json.dumps(progress),
-                                          "rng_cpu": torch.get_rng_state(), "rng_cuda": rng_cuda})
+                                          **devices.rng_states()})
         updates.saved(step)
 
     def validate(step):

@@ -113,6 +113,15 @@ def peak_memory_bytes(device: torch.device) -> int:
     return rss if sys.platform == "darwin" else rss * 1024  # bytes on macOS, kilobytes on Linux
 
 
+def resident_bytes() -> int:
+    """The process's resident memory now (Linux: /proc; elsewhere the peak so far is the nearest figure)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_memory_bytes(torch.device("cpu"))
+
+
 def memory_label(device: torch.device) -> str:
     return {"cuda": "max allocated", "mps": "driver allocated", "cpu": "peak RSS"}[device.type]
 

@@ -130,13 +130,15 @@ def config_to_hf(cfg: LlamaConfig) -> dict:
 def read_config(model_dir: str) -> LlamaConfig:
     path = os.path.join(model_dir, "config.json")
     try:
-        with open(path) as f:
+        with open(path, encoding="utf-8") as f:
             d = json.load(f)
     except FileNotFoundError:
         raise UserError(f"{path} is missing; pass a Hugging Face model directory (config.json + "
                         f"model.safetensors) or a hub id") from None
     except json.JSONDecodeError as e:
         raise UserError(f"{path} line {e.lineno} column {e.colno}: {e.msg}; re-download or fix it") from None
+    except UnicodeDecodeError:
+        raise UserError(f"{path} is not UTF-8 text; re-download or fix it") from None
     if d.get("hidden_act", "silu") != "silu":
         raise UserError(f"{path} has hidden_act {d['hidden_act']!r}; this decoder implements silu (SwiGLU)")
     return config_from_hf(d, path)
