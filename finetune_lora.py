@@ -46,6 +46,8 @@ RUN = rundir.Spec(saved=finetune.SAVED, optional=finetune.OPTIONAL, written=fine
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)  # a bad value ends here: one usage line, exit 2
+    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+        devices.steady_cpu_heap()
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as e:
@@ -104,12 +106,15 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
         f"alpha={settings['alpha']:g} on {', '.join(settings['targets'])} in {finetune.dtype_name(recipe.lora_dtype)}; "
         f"device {device}, {compute}; {tokens_per_step:,} tokens per step")
 
-    def estimate_for(amp):  # again once recipe.pick_amp has settled the dtype
+    def estimate_for(amp, runtime):  # again once the data are read, and once recipe.pick_amp has settled the dtype
         return memory.estimate_lora_finetuning(cfg, args.batch_size, args.block_size, device.type, amp is not None,
                                                recipe.base, settings["targets"], settings["r"],
                                                recipe.lora_dtype.itemsize, settings["dropout"],
+                                               checkpointing=args.grad_checkpoint, runtime=runtime,
                                                **recipe.estimate_kwargs)
-    estimate = estimate_for(amp)  # fp32's when the dtype is still to be timed: the larger of the two
+    # On a CPU the peak is the whole process's resident set: what it holds already is measured, not assumed.
+    runtime = memory.cpu_runtime_bytes(device.type)
+    estimate = estimate_for(amp, runtime)  # fp32's when the dtype is still to be timed: the larger of the two
     if args.estimate_memory:
         log(memory.format_table(estimate) + (
             "\n(for fp32; on a CPU --dtype auto times bf16 against fp32 before training)" if recipe.pick_amp else ""))
@@ -125,6 +130,8 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
                                seed=args.seed + 1)
 
     # --- model: the frozen base, then LoRA on the chosen layers -----------------------------------
+    runtime = memory.cpu_runtime_bytes(device.type)  # now with the data, and what reading them left
+    estimate = estimate_for(amp, runtime)
     devices.reset_peak_memory(device)  # count fine-tuning, not tokenisation
     model = finetune.load_base(model_dir, device, recipe.convert_linear)
     torch.manual_seed(args.seed)  # A's random initialisation (B starts at zero)
@@ -136,11 +143,14 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
                         settings["rslora"], dtype=recipe.lora_dtype)
     if state is not None:  # --resume: A and B as they were saved
         finetune.restore_trainable(model, state["trainable"], os.path.join(args.out_dir, checkpoint.STATE))
+    # --grad-checkpoint: each block runs under torch.utils.checkpoint (lib/gpt.GPT.hidden_states), so
+    # forward keeps only the blocks' inputs and backward recomputes one block at a time.
+    model.gradient_checkpointing = args.grad_checkpoint
     n_lora, n_total = lora.count_parameters(model)
     log(f"trainable parameters: {n_lora:,} of {n_total:,} ({100 * n_lora / n_total:.3f}%)")
     if recipe.pick_amp:  # finetune_qlora.py, --dtype auto on a CPU: fp32 or bf16, whichever runs this model faster
         amp = recipe.pick_amp(model, train_batches.get(0, 0, device), state)
-        estimate = estimate_for(amp)
+        estimate = estimate_for(amp, runtime)
 
     # --- optimiser: only the LoRA matrices ---------------------------------------------------------
     params = [p for p in model.parameters() if p.requires_grad]

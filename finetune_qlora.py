@@ -66,6 +66,8 @@ RUN = dataclasses.replace(finetune_lora.RUN,
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)  # a bad value ends here: one usage line, exit 2
+    if argv is None:  # a command-line run: the heap gives back what it frees (lib/memory.py)
+        devices.steady_cpu_heap()
     try:
         if args.nf4_block_size % 2:
             raise UserError(f"--nf4-block-size must be an even number (two codes share a byte), got "

@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
     g.add_argument("--beta2", type=guards.probability, default=0.999,
                    help="AdamW's decay rate of the squared-gradient mean")
     g.add_argument("--grad-clip", type=guards.nonneg_float, default=1.0, help="clip the global gradient norm (0: off)")
+    g.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=False,
+                   help="activation checkpointing: keep only each block's input from forward and run the block "
+                   "again in backward (about a third more compute, most of the activation memory saved)")
     g = p.add_argument_group("run")
     g.add_argument("--device", help="cuda, cuda:N, mps or cpu; when not given, the first available in that order")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=dtype_help)
@@ -356,11 +359,13 @@ OPTIONAL = (os.path.join("merged", checkpoint.WEIGHTS), os.path.join("merged", c
 WRITTEN = (rundir.METRICS, "merged")
 # What --resume does with a flag: these make the run what it is (its base and adapter shape, the windows each
 # step reads, the optimizer its moments belong to), so another value is refused; these may change (the
-# schedule, how often to evaluate, log and save, sampling, --merge) and are reported.
+# schedule, how often to evaluate, log and save, sampling, --merge, --grad-checkpoint, which changes
+# the memory a step needs, not its result) and are reported.
 FIXED = ("init_from", "adapter", "data", "block_size", "batch_size", "grad_accum", "seed", "lora_r", "lora_alpha",
          "lora_dropout", "lora_targets", "rslora", "weight_decay", "beta1", "beta2")
 CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "grad_clip", "dtype", "eval_interval", "eval_batches",
-              "save_interval", "log_interval", "sample_tokens", "prompt", "temperature", "top_k", "peak_flops", "merge")
+              "save_interval", "log_interval", "sample_tokens", "prompt", "temperature", "top_k", "peak_flops", "merge",
+              "grad_checkpoint")
 
 
 def resolve_run(args, run_dir, log=print):

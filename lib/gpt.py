@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lib import device as devices
 from lib import lm_loss, tokenizer
@@ -92,6 +93,8 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    gradient_checkpointing = False  # True: keep each block's input only, recompute the block in backward
+
     def __init__(self, cfg: GPTConfig):
         super().__init__()
         self.config = cfg
@@ -142,7 +145,12 @@ class GPT(nn.Module):
         pos = torch.arange(T, device=idx.device)
         x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
         for block in self.transformer.h:
-            x = block(x)
+            if self.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                # Activation checkpointing: forward keeps only the block's input; backward runs the
+                # block again to get what it needs (one more forward, a block's activations at a time).
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
         return self.transformer.ln_f(x)
 
     def forward(self, idx, targets=None, logits_to_keep=0):

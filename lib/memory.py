@@ -17,8 +17,47 @@ from lib.metrics import format_bytes
 # What the process holds before the model exists: the CPU figure is the resident set of Python
 # with torch, numpy, tiktoken and the GPT-2 ranks loaded (measured on Linux x86-64, torch 2.13).
 # CUDA's max_memory_allocated counts tensors only, so its baseline is 0 (the CUDA context,
-# about 0.5 GB, sits outside it); MPS's driver figure includes Metal's own pools.
+# about 0.5 GB, sits outside it); MPS's driver figure includes Metal's own pools. A script that can
+# measure its own CPU process does (cpu_runtime_bytes); this is the figure before it can.
 RUNTIME_BASELINE = {"cpu": 250 * 2**20, "cuda": 0, "mps": 100 * 2**20}
+# What a CPU process's resident set grows by in its first training step whatever the model: the
+# OpenMP worker threads (a stack each) and the oneDNN / autograd kernels and their caches, loaded on
+# first use (measured: about 90 MiB for a 64-wide 2-layer model and for GPT-2 124M alike, Linux x86-64,
+# torch 2.13). CUDA's max_memory_allocated counts tensors only, so nothing is added there.
+CPU_FIRST_STEP = 90 * 2**20
+RUNTIME_LABEL = "runtime (measured: Python, torch, the data)"
+FIRST_STEP_LABEL = "runtime: first step's kernels and threads"
+
+
+# --- what every CPU run pays besides its tensors ----------------------------------------------------
+# One accounting for all the scripts, in three parts a learner can check with `ps` or /proc/self/status:
+# 1. the runtime: Python, torch, tokenizer and the data, measured as the resident set just before the
+#    model is built (cpu_runtime_bytes), not assumed;
+# 2. the first step's kernels and threads (CPU_FIRST_STEP);
+# 3. the allocator: glibc keeps the blocks a step frees (up to 32 MiB each) in its heap for reuse, and
+#    as tensors of other sizes fail to fit in them, the resident set grows step after step past what
+#    the tensors need (GPT-2 124M LoRA: 5.35 GiB after the first step, 6.39 GiB after the third).
+#    lib/device.steady_cpu_heap() fixes glibc's mmap threshold, so every block of 1 MiB or more is
+#    mapped on its own and returned when freed: the peak is then the tensors, and nothing is added.
+#    Every script calls it for its command-line runs.
+def cpu_runtime_bytes(device_type: str):
+    """The CPU process's resident set now (None elsewhere), to be called just before the model is built.
+
+    torch's optimizers import torch._dynamo (and sympy) on their first use, about 70 MiB that would
+    otherwise arrive after the measurement: it is imported first, so it counts."""
+    if device_type != "cpu":
+        return None
+    import torch._dynamo  # noqa: F401
+    from lib.device import resident_bytes
+    return resident_bytes()
+
+
+def runtime_terms(device_type: str, measured: int = None) -> dict:
+    """The estimate's runtime rows: on a CPU with the resident set measured, that figure and the first
+    step's kernels and threads; otherwise the device's RUNTIME_BASELINE."""
+    if device_type == "cpu" and measured is not None:
+        return {RUNTIME_LABEL: measured, FIRST_STEP_LABEL: CPU_FIRST_STEP}
+    return {"runtime baseline": RUNTIME_BASELINE.get(device_type, 0)}
 
 
 def activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool = False,
@@ -190,7 +229,7 @@ def lora_layers_in_block(targets) -> list:
 
 
 def lora_activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool, targets, r: int,
-                          lora_dropout: float = 0.0, device_type: str = "cpu") -> int:
+                          lora_dropout: float = 0.0, device_type: str = "cpu", checkpointing: bool = False) -> int:
     """Bytes autograd keeps from forward for backward when the base is frozen (the loss's excluded).
 
     A frozen linear needs only its weight in backward (dx = dy W), not its input, so less is kept
@@ -206,6 +245,10 @@ def lora_activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp:
     fp32 even under autocast, so c_attn's and c_fc's x are; attn.c_proj's and mlp.c_proj's are in the
     compute dtype. In the first block nothing below the lowest adapted layer needs a gradient, so only
     what lies above it is kept; ln_f's input is kept once.
+
+    checkpointing (--grad-checkpoint, torch.utils.checkpoint around each block): forward keeps only
+    each block's input, the fp32 residual stream (n_embd x 4 bytes a token, for every block); backward
+    runs one block's forward again and holds what that block keeps until its backward is done.
     """
     s = 2 if amp else 4
     C = cfg.n_embd
@@ -228,13 +271,16 @@ def lora_activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp:
             kept_total += kept if grad_below else 0
         return kept_total
 
-    return batch_size * block_size * ((cfg.n_layer - 1) * block(False) + block(True) + C * 4 + 8)
+    tokens = batch_size * block_size
+    if checkpointing:
+        return tokens * (cfg.n_layer * C * 4 + block(False) + C * 4 + 8)
+    return tokens * ((cfg.n_layer - 1) * block(False) + block(True) + C * 4 + 8)
 
 
 def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, device_type: str = "cpu",
                              amp: bool = False, base: str = "fp32", targets=("c_attn",), r: int = 8,
                              lora_bytes: int = 4, lora_dropout: float = 0.0, nf4_block_size: int = 64,
-                             double_quant: bool = True) -> dict:
+                             double_quant: bool = True, checkpointing: bool = False, runtime: int = None) -> dict:
     """Predicted bytes per component for LoRA (base "fp32", "bf16" or "fp16") or QLoRA (base "nf4").
 
     Arithmetic only, no model is built. The block linears are stored as `base` says; embeddings,
@@ -263,7 +309,8 @@ def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, d
         f"LoRA parameters ({lora_name})": n_lora * lora_bytes,
         f"LoRA gradients ({lora_name})": n_lora * lora_bytes,
         f"AdamW moments (2 x {lora_name})": 2 * n_lora * lora_bytes,
-        "activations": lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout, device_type),
+        "activations" + (" (checkpointed: block inputs + one block)" if checkpointing else ""):
+            lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout, device_type, checkpointing),
         LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, amp, train_head=False),
     }
     if amp:
@@ -273,5 +320,5 @@ def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, d
     if base == "nf4":
         largest = max(i * o for i, o in linears)
         estimate["dequantised weight (one layer at a time)"] = largest * (6 + (2 if amp else 0))
-    estimate["runtime baseline"] = RUNTIME_BASELINE.get(device_type, 0)
+    estimate.update(runtime_terms(device_type, runtime))  # runtime: the CPU's resident set, measured (above)
     return estimate
