@@ -52,7 +52,7 @@ from lib import chat_tokenizer, guards, llama, lora, metrics, optim, rundir
 from lib import device as devices
 from lib.checkpoint import save_json
 from lib.errors import UserError, report_and_exit
-from lib.memory import LOSS_LABEL, RUNTIME_BASELINE, format_table, lm_loss_bytes, nf4_bytes
+from lib.memory import LOSS_LABEL, cpu_runtime_bytes, format_table, lm_loss_bytes, nf4_bytes, runtime_terms
 
 SCRIPT = "judge_train_mps"
 TINY = "tiny"  # --model tiny: the offline demo base, built once and cached (tiny_base, at the end)
@@ -475,7 +475,7 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     stay in the KV cache while the answers grow (plus one layer's repeated to every query head, and the
     copy a concatenation makes); it counts where it needs more than a training step.
     runtime: what the process holds besides (on a CPU: measured, see runtime_bytes); by default the
-    device's RUNTIME_BASELINE. On a CPU the peak RSS also counts the blocks the allocator keeps.
+    device's RUNTIME_BASELINE (lib/memory.runtime_terms).
     """
     h, L, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     kvd, qd = cfg.num_key_value_heads * cfg.head_dim, cfg.num_attention_heads * cfg.head_dim
@@ -514,24 +514,15 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     if base == "nf4":
         estimate["dequantised weight (one layer at a time)"] = max(i * o for i, o in linears) * (4 + compute_bytes)
     step = acts + estimate[LOSS_LABEL]  # what one training step allocates and frees again
-    if device_type == "cpu" and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
-        # glibc keeps the blocks a step frees for reuse (its mmap threshold rises to the largest block
-        # freed, up to 32 MiB), and blocks still in use between them keep it from reusing them all: on
-        # SmolLM2-135M (batches of 1 and 4, fp32 or NF4, with or without checkpointing, the full logits or
-        # the chunked loss) the peak RSS held about 0.75 x the activations a step makes (as if none were
-        # checkpointed) beyond the tensors above. With MALLOC_MMAP_THRESHOLD_=131072 every larger block is
-        # mapped and given back when freed: the peak is the tensors, for more system time (the kernel
-        # zeroes the pages it maps).
-        estimate["CPU allocator: blocks glibc keeps (measured)"] = int(0.75 * L * per_layer)
+    # On a CPU glibc would keep the blocks a step frees (up to 32 MiB each) and grow the resident set past
+    # the tensors, step after step: a command-line run fixes its heap (lib/device.steady_cpu_heap), so the
+    # peak is the tensors above plus the runtime below (lib/memory.py, the accounting every script shares).
     if generation:
         rows, positions = generation
         beyond_a_step = rows * positions * compute_bytes * (2 * kvd * (L + 1) + 2 * qd) - step
         if beyond_a_step > 0:
             estimate[f"test generation (KV cache, {rows} x {positions}) beyond a step"] = beyond_a_step
-    if runtime is None:
-        estimate["runtime baseline"] = RUNTIME_BASELINE.get(device_type, 0)
-    else:
-        estimate["runtime (measured: Python, torch, tokenizer, data)"] = runtime
+    estimate.update(runtime_terms(device_type, runtime, "runtime (measured: Python, torch, tokenizer, data)"))
     return estimate
 
 
@@ -554,10 +545,7 @@ def runtime_bytes(device):
     """On a CPU the peak RSS counts everything the process holds, so what it holds before the model is
     loaded (Python, torch, the tokenizer, the data) is measured rather than assumed. torch's optimizers
     import torch._dynamo (and sympy) on first use, about 70 MiB: it is imported first, so it counts."""
-    if device.type != "cpu":
-        return None
-    import torch._dynamo  # noqa: F401
-    return devices.resident_bytes()
+    return cpu_runtime_bytes(device.type)
 
 
 def print_estimate(args, recipe: Recipe, train_set, val_set, test_set, log=print) -> dict:
@@ -886,6 +874,8 @@ def run(args, parser=None, argv=None, spec: rundir.Spec = RUN, defaults=DEFAULTS
     # The run directory first, before anything changes args: a saved run is never replaced without
     # --overwrite, and --resume validates every saved file and takes the saved run's flags.
     run_dir = rundir.prepare(args, parser, argv, spec, writes=not args.estimate_memory)
+    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+        devices.steady_cpu_heap()
     resolve_defaults(args, defaults)
     recipe = recipe_for(args)
     threads = torch.get_num_threads()

@@ -254,7 +254,7 @@ def run(args, parser, argv):
         f"{tokens_per_step:,} tokens per step")
 
     estimate = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type, amp is not None,
-                                            ddp=dist_info.enabled)
+                                            ddp=dist_info.enabled, runtime=memory.cpu_runtime_bytes(device.type))
     if args.estimate_memory:
         log(memory.format_table(estimate))
         distributed.cleanup(dist_info)

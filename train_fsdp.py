@@ -506,7 +506,7 @@ def run(args, parser, argv):
         f"{tokens_per_step:,} tokens per step")
     estimate = memory.estimate_fsdp_training(cfg, n_params, args.batch_size, block_size, world, device.type,
                                              mp_dtype is not None, args.reshard_after_forward, args.grad_accum,
-                                             args.activation_checkpointing)
+                                             args.activation_checkpointing, memory.cpu_runtime_bytes(device.type))
     if args.estimate_memory:
         return print_estimate(cfg, n_params, block_size, estimate, args, mesh, mp_dtype, device, log)
     # On a CPU the ranks of one machine share its RAM.

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lib import bert, checkpoint, guards, metrics, optim, rundir, wordpiece
+from lib import bert, checkpoint, guards, memory, metrics, optim, rundir, wordpiece
 from lib import data as stdlib_data
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
@@ -735,7 +735,7 @@ def metrics_text(m):
 
 # --- memory estimate ------------------------------------------------------------------------------
 def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp=False, checkpointing=False,
-                    optimizer_on_cpu=False, cached_batch=0, eval_batch=64):
+                    optimizer_on_cpu=False, cached_batch=0, eval_batch=64, runtime=None):
     """Predicted bytes per component for one SPLADE training step.
 
     A micro-batch encodes batch_size queries and batch_size (1 + k) documents. Per token and layer,
@@ -749,8 +749,10 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
     representations of the whole effective batch and their gradients, [queries + documents, vocab].
     Validation encodes eval_batch documents at a time without a graph: their logits (masked in place)
     and one layer's temporaries; it adds to the peak only where that is more than a training step.
-    On CPU the measured peak is the process's resident set: Python, torch and the data come first
-    ("runtime baseline"), and devices.steady_cpu_heap() keeps the allocator from adding to it.
+    On CPU the measured peak is the process's resident set: what the process holds before the model
+    (Python, torch; runtime, measured by lib/memory.cpu_runtime_bytes) and the first step's kernels and
+    threads come first (lib/memory.runtime_terms, the accounting every script shares), and
+    devices.steady_cpu_heap() keeps the allocator from adding to it.
     """
     s = 2 if amp else 4
     tokens = batch_size * q_len + batch_size * (1 + k) * d_len
@@ -772,7 +774,7 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
     step = estimate["encoder activations"] + estimate["MLM logits + gradient"]
     if validation > step:
         estimate["validation batch, beyond a step"] = validation - step
-    estimate["runtime baseline"] = {"cpu": 300 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)
+    estimate.update(memory.runtime_terms(device_type, runtime, "runtime (measured: Python, torch, the tokenizer)"))
     return estimate
 
 
@@ -898,7 +900,8 @@ def run(args, run_dir, variant=None):
     k = args.negatives_per_query
     n_params = bert.param_count(cfg)
     estimate = estimate_memory(cfg, n_params, args.batch_size, k, args.max_query_length, args.max_length,
-                               device.type, amp is not None, eval_batch=args.eval_batch_size, **variant.estimate_kwargs)
+                               device.type, amp is not None, eval_batch=args.eval_batch_size,
+                               runtime=memory.cpu_runtime_bytes(device.type), **variant.estimate_kwargs)
     log(f"model: {cfg.model_type} {'from ' + model_dir if model_dir else 'from scratch'}, {cfg.num_hidden_layers} "
         f"layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n_params:,} parameters; device {device}, "
         f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; {args.batch_size} queries x "
@@ -1082,7 +1085,7 @@ def run(args, run_dir, variant=None):
     log(memory_table(estimate, peak, f"measured ({devices.memory_label(device)})"))
     if resident_before:
         log(f"  (of the measured peak, {metrics.format_bytes(resident_before)} was resident before training started: "
-            f"Python, torch, the data and what tokenising it left; the estimate counts {metrics.format_bytes(estimate['runtime baseline'])})")
+            f"Python, torch, the model, the data and what tokenising it left)")
     first = progress["first_metrics"]
     final = last["metrics"] if last["step"] == step else (evaluate(model, tokenizer, val_data, args, amp)[0] if val_data else None)
     if final:

@@ -43,7 +43,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint as recompute_in_backward
 
-from lib import checkpoint, distributed, guards, metrics, png, rundir
+from lib import checkpoint, distributed, guards, memory, metrics, png, rundir
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 from lib.memory import format_table
@@ -343,9 +343,10 @@ FLOATS_PER_CENTRE_TRIL = 3
 FLOATS_SAMPLING_D2 = 4.25
 FP32 = 4
 # On CPU the first forward and backward also touch kernel libraries, thread pools and autograd's
-# engine: the resident set grows by about 90 MiB whatever the model (measured: D = 8, K = 4, Linux
-# x86-64, torch 2.13). CUDA's max_memory_allocated counts tensors only, so nothing is added there.
-CPU_STEP_OVERHEAD = 90 * 2**20
+# engine, and AdamW imports torch._dynamo: the figure every script's CPU estimate uses (lib/memory.py,
+# where the runtime is measured with torch._dynamo already imported). CUDA's max_memory_allocated
+# counts tensors only, so nothing is added there.
+CPU_STEP_OVERHEAD = memory.CPU_FIRST_STEP
 FREE_FRACTION = 0.8  # plan to use at most 80% of what the device reports free: allocator slack, fragmentation
 
 
@@ -399,9 +400,8 @@ def held_memory(shape: Shape, baseline: int = 0) -> dict:
         "factornet parameters": p * FP32,
         "AdamW moments (2 x fp32)": 2 * p * FP32,
     }
-    if baseline:
-        held["runtime baseline (measured)"] = baseline
-        held["runtime: first step's kernels and threads"] = CPU_STEP_OVERHEAD
+    if baseline:  # the CPU's runtime, measured, and the first step's kernels and threads (lib/memory.py)
+        held.update(memory.runtime_terms("cpu", baseline, "runtime (measured: Python, torch)"))
     return held
 
 
@@ -435,15 +435,9 @@ def sampling_memory(shape: Shape) -> dict:
 
 
 def runtime_baseline(device):
-    """What the process holds before the model exists: the CPU's resident set now; 0 for CUDA/MPS,
-    whose figures count tensors (and the driver's pools) only."""
-    if device.type != "cpu" or not os.path.exists("/proc/self/status"):
-        return 0
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return 0
+    """What the process holds before the model exists: the CPU's resident set now (lib/memory's shared
+    accounting); 0 for CUDA/MPS, whose figures count tensors (and the driver's pools) only."""
+    return memory.cpu_runtime_bytes(device.type) or 0
 
 
 def largest_chunk(shape, plan, budget, baseline):

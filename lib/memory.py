@@ -20,11 +20,13 @@ from lib.metrics import format_bytes
 # about 0.5 GB, sits outside it); MPS's driver figure includes Metal's own pools. A script that can
 # measure its own CPU process does (cpu_runtime_bytes); this is the figure before it can.
 RUNTIME_BASELINE = {"cpu": 250 * 2**20, "cuda": 0, "mps": 100 * 2**20}
-# What a CPU process's resident set grows by in its first training step whatever the model: the
-# OpenMP worker threads (a stack each) and the oneDNN / autograd kernels and their caches, loaded on
-# first use (measured: about 90 MiB for a 64-wide 2-layer model and for GPT-2 124M alike, Linux x86-64,
-# torch 2.13). CUDA's max_memory_allocated counts tensors only, so nothing is added there.
-CPU_FIRST_STEP = 90 * 2**20
+# What a CPU process's resident set grows by in its first training step whatever the model, beyond
+# the runtime measured before it: the OpenMP worker threads (a stack each) and the kernels and caches
+# that forward, backward and AdamW load on first use (measured: 14-18 MiB for a 64-wide MLP and for a
+# 2-layer GPT with LoRA, 1 or 2 threads, Linux x86-64, torch 2.13). torch._dynamo, which torch's
+# optimizers import on their first step (71 MiB), is imported before the runtime is measured, so it
+# counts there (cpu_runtime_bytes). CUDA's max_memory_allocated counts tensors only: nothing added.
+CPU_FIRST_STEP = 20 * 2**20
 RUNTIME_LABEL = "runtime (measured: Python, torch, the data)"
 FIRST_STEP_LABEL = "runtime: first step's kernels and threads"
 
@@ -52,11 +54,11 @@ def cpu_runtime_bytes(device_type: str):
     return resident_bytes()
 
 
-def runtime_terms(device_type: str, measured: int = None) -> dict:
+def runtime_terms(device_type: str, measured: int = None, label: str = RUNTIME_LABEL) -> dict:
     """The estimate's runtime rows: on a CPU with the resident set measured, that figure and the first
     step's kernels and threads; otherwise the device's RUNTIME_BASELINE."""
     if device_type == "cpu" and measured is not None:
-        return {RUNTIME_LABEL: measured, FIRST_STEP_LABEL: CPU_FIRST_STEP}
+        return {label: measured, FIRST_STEP_LABEL: CPU_FIRST_STEP}
     return {"runtime baseline": RUNTIME_BASELINE.get(device_type, 0)}
 
 
@@ -122,7 +124,7 @@ LOSS_LABEL = "loss (one chunk of logits)"
 
 def estimate_gpt_training(cfg: GPTConfig, n_params: int, batch_size: int, block_size: int,
                           device_type: str = "cpu", amp: bool = False, ddp: bool = False,
-                          checkpointing: bool = False) -> dict:
+                          checkpointing: bool = False, runtime: int = None) -> dict:
     """Predicted bytes per component for full-parameter AdamW training of a GPT on one device.
 
     ddp adds DDP's gradient buckets: DDP copies gradients into flat buckets to all-reduce them,
@@ -137,10 +139,10 @@ def estimate_gpt_training(cfg: GPTConfig, n_params: int, batch_size: int, block_
         # The embedding's backward makes a dense [vocab, n_embd] gradient, which autograd adds to the
         # tied head's: for a moment the tied weight has two gradients.
         "tied embedding's second gradient": cfg.vocab_size * cfg.n_embd * 4,
-        "runtime baseline": RUNTIME_BASELINE.get(device_type, 0),
     }
     if ddp:
         estimate["DDP gradient buckets (fp32)"] = int(n_params * 4)
+    estimate.update(runtime_terms(device_type, runtime))  # runtime: the CPU's resident set, measured
     return estimate
 
 
@@ -159,7 +161,7 @@ def format_table(estimate: dict, measured: int = None, measured_label: str = "me
 def estimate_fsdp_training(cfg: GPTConfig, n_params: int, batch_size: int, block_size: int, world_size: int,
                            device_type: str = "cpu", mixed_precision: bool = False,
                            reshard_after_forward: bool = True, grad_accum: int = 1,
-                           checkpointing: bool = False) -> dict:
+                           checkpointing: bool = False, runtime: int = None) -> dict:
     """Predicted bytes on ONE of world_size FSDP2 ranks (train_fsdp.py), per component.
 
     The fp32 parameters, gradients and AdamW moments are sharded: each rank keeps 1/world_size.
@@ -191,7 +193,7 @@ def estimate_fsdp_training(cfg: GPTConfig, n_params: int, batch_size: int, block
         unsharded_label: unsharded * 4,
         "activations": activation_bytes(cfg, batch_size, block_size, mixed_precision, checkpointing),
         LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, mixed_precision),
-        "runtime baseline": RUNTIME_BASELINE.get(device_type, 0),
+        **runtime_terms(device_type, runtime),  # runtime: this rank's resident set, measured on a CPU
     }
 
 
