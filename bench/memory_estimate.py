@@ -59,6 +59,10 @@ CASES = [
     ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 2 --eval-batches 1 --sample-tokens 0 --dtype fp32"),
     ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 2 --eval-batches 1 --sample-tokens 0 --dtype fp32 "
                                   "--grad-checkpoint"),
+    ("judge_train_cuda.py", "real", "--model {smollm2} --max_samples 12 --batch_size 4 --epochs 1 --skip_eval"),
+    ("train.py", "real", "--model-size gpt2 --steps 2 --eval-batches 1 --sample-tokens 0"),
+    ("onefile_train.py", "real", "--model-size gpt2 --steps 2 --eval-batches 1"),
+    ("train_fsdp.py", "real", "--model-size gpt2 --batch-size 4 --steps 2 --eval-batches 1 --sample-tokens 0"),
 ]
 # The published SmolLM2-135M shape (HuggingFaceTB/SmolLM2-135M config.json).
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,

@@ -315,6 +315,12 @@ def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, d
             lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout, device_type, checkpointing),
         LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, amp, train_head=False),
     }
+    # The peak comes in backward, at the top block's MLP, while its gradients are in flight: the residual
+    # stream's (n_embd, fp32), then c_proj's input gradient and GELU's (4 n_embd each, compute dtype). By
+    # then ln_f's saved input and the loss's d_hidden (n_embd fp32 each) are freed. (Counted on the tensors
+    # alive in a step: tests/test_memory_estimates.py.)
+    s = 2 if amp else 4
+    estimate["backward: gradients in flight (top MLP)"] = batch_size * block_size * max(0, 8 * C * s - 4 * C - 8)
     if amp:
         estimate["autocast copy of the tied LM head"] = cfg.vocab_size * C * 2
         if base == "fp32":

@@ -101,15 +101,14 @@ def step_peak(batch, checkpointing, nf4=False):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_activation_terms_against_the_tensors_alive_in_a_step(checkpointing):
     """What the batch adds to a step's peak (two batch sizes, so the weights cancel) against the estimate's
-    activation and loss terms. The live count also holds backward's own transient gradients, which the
-    estimate leaves out: under 1% here."""
+    activation, loss and backward terms."""
     cfg = gpt.GPTConfig(**CFG)
     measured = step_peak(6, checkpointing) - step_peak(2, checkpointing)
 
     def predicted(batch):
         est = memory.estimate_lora_finetuning(cfg, batch, CFG["block_size"], "cpu", checkpointing=checkpointing)
-        return sum(v for k, v in est.items() if k.startswith("activations") or k == memory.LOSS_LABEL)
-    assert measured / (predicted(6) - predicted(2)) == pytest.approx(1.0, abs=0.015)
+        return sum(v for k, v in est.items() if k.startswith(("activations", "backward")) or k == memory.LOSS_LABEL)
+    assert measured / (predicted(6) - predicted(2)) == pytest.approx(1.0, abs=0.01)
 
 
 def test_qlora_dequantised_weight_against_the_tensors_alive(monkeypatch):
