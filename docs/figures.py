@@ -1,0 +1,196 @@
+"""Renderers for figure blocks computed from the code itself (no measurement, nothing trained).
+
+Each function returns markdown for one block of README.md or docs/*.md (see docs/render.py):
+- the scripts' flags, read from their own argparse parsers (flag_table, kept_names);
+- estimator tables: `--estimate-memory` of a script for model sizes, on the meta device (estimate_table);
+- the loss-chunk policy of lib/lm_loss (chunk_policy);
+- the NF4 and LoRA arithmetic of lib/memory and lib/nf4 (nf4_table);
+- the SPLADE loss worked by hand, checked against the function that computes it (splade_example).
+"""
+
+import argparse
+import importlib
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+# The top-level scripts, in the README's order, with the short name a table column uses.
+SCRIPTS = [("onefile_train", "onefile"), ("train", "train"), ("train_fsdp", "fsdp"),
+           ("finetune_lora", "lora"), ("finetune_qlora", "qlora"),
+           ("train_splade_unified", "splade"), ("train_splade_optimized", "splade-opt"),
+           ("judge_train_mps", "judge-mps"), ("judge_train_cuda", "judge-cuda"),
+           ("train_wpo_sgm_memory_efficient", "wpo-sgm")]
+
+
+class _Parser(BaseException):
+    """Carries the parser out of a script's main() at its first parse (BaseException: no `except Exception` eats it)."""
+
+
+def script_parser(module):
+    """The argparse parser a script's main() builds, taken at its first parse_args; nothing else runs.
+
+    `module` is an importable name ("train", "bench.nf4") or a path ("bench/nf4.py"). Works for any
+    script whose main(argv) parses its arguments with argparse, however its parser is built.
+    """
+    if module.endswith(".py"):
+        module = module[:-3].replace("/", ".")
+    mod = importlib.import_module(module)
+    original = argparse.ArgumentParser.parse_known_args
+
+    def grab(self, args=None, namespace=None):
+        raise _Parser(self)
+
+    argparse.ArgumentParser.parse_known_args = grab
+    try:
+        mod.main([])
+    except _Parser as got:
+        return got.args[0]
+    finally:
+        argparse.ArgumentParser.parse_known_args = original
+    raise RuntimeError(f"{module}.main([]) returned without parsing arguments")
+
+
+def parse(parser, argv):
+    """parser.parse_args(argv) for a test: returns None, or argparse's error message instead of exiting."""
+    messages = []
+    error = parser.error
+    parser.error = lambda message: (messages.append(message), (_ for _ in ()).throw(SystemExit(2)))
+    try:
+        parser.parse_args(argv)
+    except SystemExit as e:
+        return messages[0] if messages else f"exit {e.code}"
+    finally:
+        parser.error = error
+    return None
+
+
+def options(parser):
+    """{option string: action} for every option the parser's --help shows."""
+    return {o: a for a in parser._actions if a.help != argparse.SUPPRESS for o in a.option_strings}
+
+
+def _first_sentence(text):
+    text = " ".join((text or "").split())
+    text = text.split("%(default)")[0].split(" (default")[0].split("; ")[0]
+    return text.rstrip(" .,:(")
+
+
+def flag_table(min_scripts="4"):
+    """The flags at least `min_scripts` of the ten scripts share, which scripts have each, and what it means."""
+    parsers = {name: options(script_parser(name)) for name, _ in SCRIPTS}
+    counts = {}
+    for opts in parsers.values():
+        for o in opts:
+            if o.startswith("--") and o != "--help":
+                counts[o] = counts.get(o, 0) + 1
+    order = [o for name, _ in SCRIPTS for o in parsers[name]]  # first seen, in script order
+    common = sorted({o for o, c in counts.items() if c >= int(min_scripts)}, key=order.index)
+    lines = ["| flag | " + " | ".join(short for _, short in SCRIPTS) + " | meaning (first script's help) |",
+             "|---|" + "---|" * len(SCRIPTS) + "---|"]
+    for flag in common:
+        cells = ["✓" if flag in parsers[name] else "" for name, _ in SCRIPTS]
+        helps = [parsers[name][flag].help for name, _ in SCRIPTS if flag in parsers[name]]
+        lines.append(f"| `{flag}` | " + " | ".join(cells) + f" | {_first_sentence(helps[0])} |")
+    return "\n".join(lines)
+
+
+def kept_names():
+    """One line per script family: the original projects' flag names it keeps, and the repository's names it also accepts."""
+    families = [("SPLADE (train_splade_unified.py, train_splade_optimized.py)", "train_splade_optimized"),
+                ("judge (judge_train_mps.py, judge_train_cuda.py)", "judge_train_cuda"),
+                ("WPO-SGM (train_wpo_sgm_memory_efficient.py)", "train_wpo_sgm_memory_efficient")]
+    lines = []
+    for title, name in families:
+        pairs = []
+        for action in script_parser(name)._actions:
+            longs = [o for o in action.option_strings if o.startswith("--")]
+            if len(longs) > 1 and action.help != argparse.SUPPRESS:
+                pairs.append(" = ".join(f"`{o}`" for o in longs))
+        lines.append(f"- {title}: " + "; ".join(pairs) + ".")
+    return "\n".join(lines)
+
+
+# --- estimators (arithmetic and the meta device; nothing is allocated) ---------------------------
+
+def _mib(b):
+    return f"{b / 2**20:,.0f} MiB" if b < 2**30 else f"{b / 2**30:,.2f} GiB"
+
+
+def _gpt(size):
+    import torch
+    from lib import gpt
+    cfg = gpt.GPTConfig(**gpt.MODEL_SIZES[size])
+    with torch.device("meta"):
+        model = gpt.GPT(cfg)
+    return cfg, model
+
+
+def estimate(script, *args):
+    """A script's `--estimate-memory` transcript, run in this process (the estimate exits before any data or model)."""
+    import contextlib
+    import io
+    mod = importlib.import_module(script[:-3] if script.endswith(".py") else script)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        mod.main(["--estimate-memory", *args])
+    command = " ".join(["python", script if script.endswith(".py") else script + ".py", "--estimate-memory", *args])
+    return f"```\n$ {command}\n{out.getvalue().rstrip()}\n```"
+
+
+def nf4_table(r="8"):
+    """Bytes of GPT-2's block linears in fp32, bf16 and NF4 (lib/memory.nf4_bytes), and LoRA's trained share."""
+    from lib import memory
+    lines = ["| model | parameters | block-linear weights | fp32 | bf16 | NF4 (double quant) | NF4 (no double quant) "
+             f"| LoRA r={r} on c_attn |", "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for size in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+        cfg, model = _gpt(size)
+        n = sum(p.numel() for p in model.parameters())
+        shapes = [(a * cfg.n_embd, b * cfg.n_embd) for a, b in memory.BLOCK_LINEAR_SHAPES.values()]
+        linear = cfg.n_layer * sum(i * o for i, o in shapes)
+        nf4 = lambda dq: cfg.n_layer * sum(memory.nf4_bytes(i * o, 64, dq) for i, o in shapes)  # noqa: E731
+        lora = cfg.n_layer * int(r) * (cfg.n_embd + 3 * cfg.n_embd)
+        lines.append(f"| {size} | {n / 1e6:,.0f}M | {linear / 1e6:,.0f}M ({linear / n:.0%}) | {_mib(linear * 4)} | "
+                     f"{_mib(linear * 2)} | {_mib(nf4(True))} | {_mib(nf4(False))} | {lora:,} ({lora / n:.2%}) |")
+    return "\n".join(lines)
+
+
+def lora_estimates(batch="4", block="512"):
+    """Full fine-tuning, LoRA and QLoRA of GPT-2 sizes on a GPU under bf16 autocast (lib/memory's estimators)."""
+    from lib import memory
+    batch, block = int(batch), int(block)
+    lines = ["| model | method | weights (the base, or all of them for full fine-tuning) | trained: LoRA params + grads + AdamW | activations | loss (one chunk of logits) "
+             "| other | total |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for size in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+        cfg, model = _gpt(size)
+        n = sum(p.numel() for p in model.parameters())
+        rows = [("full fine-tuning", memory.estimate_gpt_training(cfg, n, batch, block, "cuda", amp=True)),
+                ("LoRA", memory.estimate_lora_finetuning(cfg, batch, block, "cuda", amp=True, base="bf16", lora_bytes=4)),
+                ("QLoRA", memory.estimate_lora_finetuning(cfg, batch, block, "cuda", amp=True, base="nf4", lora_bytes=2))]
+        for method, e in rows:
+            base = sum(v for k, v in e.items() if k.startswith(("base weights", "parameters")))
+            trained = sum(v for k, v in e.items() if k.startswith(("gradients", "AdamW", "LoRA")))
+            act, loss = e["activations"], e[memory.LOSS_LABEL]
+            other = sum(e.values()) - base - trained - act - loss - e.get("runtime baseline", 0)
+            lines.append(f"| {size} | {method} | {_mib(base)} | {_mib(trained)} | {_mib(act)} | "
+                         f"{_mib(loss)} | {_mib(other) if other else '0'} | **{_mib(sum(e.values()))}** |")
+    return "\n".join(lines)
+
+
+def chunk_policy():
+    """lib/lm_loss's chunk policy: the budget, and the rows and bytes per chunk it gives for real vocabularies."""
+    from lib import lm_loss
+    lines = [f"`CHUNK_BYTES` = {lm_loss.CHUNK_BYTES // 2**20} MiB of fp32 logits per chunk, at least "
+             f"`MIN_CHUNK_ROWS` = {lm_loss.MIN_CHUNK_ROWS} rows; the tokens of a call are then split into "
+             "chunks of even size (`lm_loss.chunk_rows`).", "",
+             "| model | vocab | hidden | rows per chunk (budget) | 1,024 tokens go in | one chunk's fp32 logits |",
+             "|---|---:|---:|---:|---|---:|"]
+    for name, vocab, hidden in (("GPT-2 tiny (the default)", 50257, 128), ("GPT-2 124M", 50257, 768),
+                                ("SmolLM2-135M", 49152, 576), ("Qwen2-1.5B", 151936, 1536)):
+        size = lm_loss.default_chunk_size(vocab, hidden)
+        rows = lm_loss.chunk_rows(1024, size)
+        lines.append(f"| {name} | {vocab:,} | {hidden:,} | {size:,} | {-(-1024 // rows)} chunk(s) of {rows:,} rows | "
+                     f"{rows * vocab * 4 / 2**20:,.0f} MiB |")
+    return "\n".join(lines)
