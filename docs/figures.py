@@ -194,3 +194,62 @@ def chunk_policy():
         lines.append(f"| {name} | {vocab:,} | {hidden:,} | {size:,} | {-(-1024 // rows)} chunk(s) of {rows:,} rows | "
                      f"{rows * vocab * 4 / 2**20:,.0f} MiB |")
     return "\n".join(lines)
+
+
+# --- measurements recorded before their bench wrote JSON ----------------------------------------
+
+def recorded(path, key):
+    """A table or figure kept in a bench/results JSON whose bench printed it before JSON was committed.
+
+    The file holds "machine" (what is known of the machine: bench.machine's fields), "how" (what was
+    run) and "tables" {key: {"header": [...], "align": "l r ...", "rows": [[...]], "note": "..."}} or
+    "figures" {key: "text"}. The rendering ends with the machine's caption.
+    """
+    import json
+    from bench import machine
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        report = json.load(f)
+    caption = machine.caption(report["machine"])
+    if report["machine"].get("note"):
+        caption = caption[:-1] + f"; {report['machine']['note']}."
+    if key in report.get("figures", {}):
+        return report["figures"][key]
+    t = report["tables"][key]
+    align = {"l": "---", "r": "---:", "c": ":---:"}
+    lines = ["| " + " | ".join(t["header"]) + " |", "|" + "|".join(align[a] for a in t["align"].split()) + "|"]
+    lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in t["rows"]]
+    if t.get("note"):
+        lines += ["", t["note"]]
+    return "\n".join(lines + ["", caption])
+
+
+SMOLLM2_135M = dict(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                    num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3, tie_word_embeddings=True)
+
+
+def logits_table():
+    """Why the logits dominate: the head's share, one fp32 copy of the logits, the plain loss and the chunked one."""
+    import torch
+    from lib import llama, memory
+    rows = []
+    for name, size, batch, block in (("GPT-2 tiny (this repo's default: 4 layers, block 128, batch 8)", "tiny", 8, 128),
+                                     ("GPT-2 124M (`--model-size gpt2`, batch 8)", "gpt2", 8, 1024)):
+        cfg, model = _gpt(size)
+        n = sum(p.numel() for p in model.parameters())
+        rows.append((name, cfg.vocab_size, cfg.n_embd, batch, block, n, True))
+    for name, kw in (("SmolLM2-135M (fine-tuned, head frozen)", SMOLLM2_135M),
+                     ("Qwen2-1.5B (fine-tuned, head frozen)", llama.KNOWN_CONFIGS["Qwen/Qwen2-1.5B-Instruct"])):
+        with torch.device("meta"):
+            model = llama.Llama(llama.LlamaConfig(**kw))
+        n = sum(p.numel() for p in model.parameters())
+        rows.append((name, kw["vocab_size"], kw["hidden_size"], 2, 512, n, False))
+    lines = ["| model | vocab | hidden | tokens per step | head weight, share of parameters | weights (fp32) "
+             "| fp32 logits | plain loss (16 B a value) | chunked loss |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for name, vocab, hidden, batch, block, n, train_head in rows:
+        tokens = batch * block
+        head = vocab * hidden
+        chunked = memory.lm_loss_bytes(tokens, vocab, hidden, train_head=train_head)
+        lines.append(f"| {name} | {vocab:,} | {hidden:,} | {batch} x {block:,} = {tokens:,} | {head / 1e6:.1f}M, "
+                     f"{head / n:.0%} of {n / 1e6:,.1f}M | {n * 4 / 2**20:,.0f} MiB | {tokens * vocab * 4 / 2**20:,.0f} MiB | "
+                     f"{tokens * vocab * 16 / 2**20:,.0f} MiB | {chunked / 2**20:,.0f} MiB |")
+    return "\n".join(lines)
