@@ -209,11 +209,15 @@ def recorded(path, key):
     from bench import machine
     with open(os.path.join(ROOT, path), encoding="utf-8") as f:
         report = json.load(f)
-    caption = machine.caption(report["machine"])
-    if report["machine"].get("note"):
-        caption = caption[:-1] + f"; {report['machine']['note']}."
-    if key in report.get("figures", {}):
-        return report["figures"][key]
+    figure = report.get("figures", {}).get(key)
+    if isinstance(figure, str):
+        figure = {"text": figure}
+    where = {**report["machine"], **(figure or {}).get("machine", {})}  # a figure may say more of its run
+    caption = machine.caption(where)
+    if where.get("note"):
+        caption = caption[:-1] + f"; {where['note']}."
+    if figure:
+        return figure["text"] + "\n\n" + caption
     t = report["tables"][key]
     align = {"l": "---", "r": "---:", "c": ":---:"}
     lines = ["| " + " | ".join(t["header"]) + " |", "|" + "|".join(align[a] for a in t["align"].split()) + "|"]
