@@ -257,3 +257,30 @@ def logits_table():
                      f"{head / n:.0%} of {n / 1e6:,.1f}M | {n * 4 / 2**20:,.0f} MiB | {tokens * vocab * 4 / 2**20:,.0f} MiB | "
                      f"{tokens * vocab * 16 / 2**20:,.0f} MiB | {chunked / 2**20:,.0f} MiB |")
     return "\n".join(lines)
+
+
+def dynamic_map():
+    """lib/adam8bit's two 256-entry tables, decade by decade: how many entries, and the worst rounding error."""
+    from lib import adam8bit
+    tables = {s: adam8bit.create_dynamic_map(s).double() for s in (True, False)}
+    lines = ["| values in | entries, signed table (per sign) | entries, unsigned table | worst rounding error, signed "
+             "| worst rounding error, unsigned |", "|---|---:|---:|---:|---:|"]
+
+    def worst(table, lo, hi):
+        """Largest relative error of rounding a value between the decade's first entry and the next decade's."""
+        pos = table[table > 0]
+        first = int((pos >= lo).nonzero()[0])
+        last = int((pos >= hi).nonzero()[0]) if bool((pos >= hi).any()) else len(pos) - 1
+        a, b = pos[first:last], pos[first + 1:last + 1]
+        return float(((b - a) / (a + b)).max())  # at the midpoint: half the gap over the midpoint
+
+    for i in range(7):
+        lo, hi = 10.0 ** (i - 7), 10.0 ** (i - 6)
+        counts = [int(((t >= lo) & (t < hi)).sum()) for t in (tables[True], tables[False])]
+        errs = [worst(tables[s], lo, hi) for s in (True, False)]
+        lines.append(f"| [1e{i - 7}, 1e{i - 6}) | {counts[0]} | {counts[1]} | {errs[0]:.1%} | {errs[1]:.1%} |")
+    n_neg = int((tables[True] < 0).sum())
+    lines += ["", f"Each table also holds 0 and 1; the signed one's {n_neg} negative entries mirror its positive "
+              "ones. The error is that of a value halfway between two neighbouring entries (the worst case), "
+              "relative to the value; computed from `lib/adam8bit.create_dynamic_map`."]
+    return "\n".join(lines)
