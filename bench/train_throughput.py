@@ -114,13 +114,13 @@ def render(path="bench/results/train_throughput.json"):
     """One row per recorded run: the step time, tokens/s and the data path's share, with each machine named."""
     with open(path) as f:
         runs = json.load(f)["runs"]
-    lines = ["| model | batch | dtype | ms per step | tokens/s | data path per step | peak memory |",
-             "|---|---|---|---:|---:|---:|---:|"]
+    lines = ["| model | batch | dtype | ms per step | tokens/s | data path per step | peak memory | load average (1 min) |",
+             "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in runs:
         lines.append(f"| {r['model_size']} ({r['n_params'] / 1e6:.1f}M) | {r['batch_size']} x {r['block_size']} | {r['dtype']}"
                      f"{' + compile' if r['compile'] else ''} | {r['ms_per_step']:,.0f} | {r['tokens_per_s']:,} | "
                      f"{r['data_ms_per_step']:.1f} ms ({r['data_ms_per_step'] / r['ms_per_step']:.1%}) | "
-                     f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB ({r['memory_kind']}) |")
+                     f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB ({r['memory_kind']}) | {r['machine']['load_avg_1m']} |")
     captions = sorted({machine.caption(r["machine"]) for r in runs})
     return "\n".join(lines + [""] + captions)
 
