@@ -393,3 +393,138 @@ def nf4_errors():
         f"spaced 4-bit levels instead of NF4's, {uniform(w, 64):.2%}. `lib/nf4.bits_per_parameter` gives "
         f"{nf4.bits_per_parameter(q):.3f} bits per weight with double quantisation. (Computed by `docs/figures.nf4_errors` "
         "with `lib/nf4.quantize_nf4` and `dequantize_nf4`, seed 0.)"])
+
+
+# --- docs/choosing_a_script.md and friends: one table per script family --------------------------
+
+def _gib(b):
+    return f"{b / 2**30:,.2f} GiB"
+
+
+def pretrain_table():
+    """Full pretraining (train.py / onefile_train.py), lib/memory.estimate_gpt_training per model size."""
+    from lib import memory
+    lines = ["| model | parameters | batch x block | weights + grads + AdamW | activations (bf16) | loss (bf16) "
+             "| total, CUDA bf16 | total, CPU fp32 |", "|---|---:|---|---:|---:|---:|---:|---:|"]
+    for size in ("tiny", "gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
+        cfg, model = _gpt(size)
+        n = sum(p.numel() for p in model.parameters())
+        gpu = memory.estimate_gpt_training(cfg, n, 8, cfg.block_size, "cuda", amp=True)
+        cpu = memory.estimate_gpt_training(cfg, n, 8, cfg.block_size, "cpu", amp=False)
+        state = gpu["parameters (fp32)"] + gpu["gradients (fp32)"] + gpu["AdamW moments (2 x fp32)"]
+        name = "tiny (default)" if size == "tiny" else size
+        lines.append(f"| {name} | {n:,} | 8 x {cfg.block_size} | {_gib(state)} | {_gib(gpu['activations'])} | "
+                     f"{_gib(gpu[memory.LOSS_LABEL])} | {_gib(sum(gpu.values()))} | {_gib(sum(cpu.values()))} |")
+    return "\n".join(lines)
+
+
+def fsdp_table(batch="4"):
+    """Per rank: DDP (train.py, with its gradient buckets) against FSDP2 on N ranks, CUDA bf16 (lib/memory)."""
+    from lib import memory
+    batch = int(batch)
+    lines = ["| model | DDP (`train.py`) | FSDP2 N=2 | FSDP2 N=4 | FSDP2 N=8 |", "|---|---:|---:|---:|---:|"]
+    for size, ckpt in (("gpt2", False), ("gpt2-xl", False), ("gpt2-xl", True)):
+        cfg, model = _gpt(size)
+        n = sum(p.numel() for p in model.parameters())
+        ddp = "(no such flag in train.py)" if ckpt else _gib(sum(memory.estimate_gpt_training(
+            cfg, n, batch, cfg.block_size, "cuda", amp=True, ddp=True).values()))
+        cells = [_gib(sum(memory.estimate_fsdp_training(cfg, n, batch, cfg.block_size, w, "cuda", mixed_precision=True,
+                                                         checkpointing=ckpt).values())) for w in (2, 4, 8)]
+        name = f"{size}, `--activation-checkpointing`" if ckpt else f"{size} ({n:,})"
+        lines.append(f"| {name} | {ddp} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def finetune_totals(batch="4", block="512"):
+    """Totals of lora_estimates: full fine-tuning, LoRA and QLoRA per GPT-2 size."""
+    rows = [r for r in lora_estimates(batch, block).split("\n")[2:]]
+    totals = {}
+    for r in rows:
+        cells = [c.strip() for c in r.strip("|").split("|")]
+        totals.setdefault(cells[0], {})[cells[1]] = cells[-1].strip("*")
+    lines = ["| model | full fine-tuning (`train.py --init-from`) | LoRA (`finetune_lora.py`) | QLoRA (`finetune_qlora.py`) |",
+             "|---|---:|---:|---:|"]
+    for size, t in totals.items():
+        lines.append(f"| {size} | {t['full fine-tuning']} | {t['LoRA']} | {t['QLoRA']} |")
+    return "\n".join(lines)
+
+
+def judge_table(seq="512"):
+    """judge_train_mps.estimate_memory for the known models: the MPS recipe against the CUDA one."""
+    from lib import llama
+    import judge_train_mps as judge
+    lines = ["| model | `judge_train_mps.py` (fp32, AdamW, batch 1) | `judge_train_cuda.py` (NF4, bf16, checkpointing, "
+             "8-bit AdamW, batch 2) |", "|---|---:|---:|"]
+    for name, kw in llama.KNOWN_CONFIGS.items():
+        cfg = llama.LlamaConfig(**kw)
+        r, _ = judge.lora_rank_for(judge.count_params(cfg))
+        mps = judge.estimate_memory(cfg, 1, int(seq), "mps", "fp32", 4, r, "adamw", False)
+        cuda = judge.estimate_memory(cfg, 2, int(seq), "cuda", "nf4", 2, r, "adamw8bit", True)
+        lines.append(f"| {name.split('/')[1]} (LoRA r={r}) | {_gib(sum(mps.values()))} | {_gib(sum(cuda.values()))} |")
+    return "\n".join(lines)
+
+
+def _cifar_shape():
+    import train_wpo_sgm_memory_efficient as wpo
+    return wpo.Shape(dim=3072, centres=1000, batch=8, train_samples=50000, depth=5, hidden=64)
+
+
+def wpo_plans():
+    """WPO-SGM on CIFAR-10 (K = 1000): what each plan holds and adds, from the script's own estimator."""
+    import train_wpo_sgm_memory_efficient as wpo
+    shape = _cifar_shape()
+    lines = [f"K = {shape.centres:,} centres, D = {shape.dim:,}, N = {shape.train_samples:,} training samples (CIFAR-10's "
+             f"training set) and no test set, batch B = {shape.batch}, factornet {shape.depth} x {shape.hidden} "
+             f"({shape.n_params:,} parameters), no sampling; peak = held + the larger of the step and AdamW's update:", "",
+             "| plan | predicted peak | held (data, weights, AdamW state) | a step's forward and backward | AdamW's update |",
+             "|---|---:|---:|---:|---:|"]
+    for label, plan in (("single_gpu", wpo.Plan("single_gpu")),
+                        ("gradient_accumulation, 4 micro-batches", wpo.Plan("gradient_accumulation", None, 4)),
+                        ("model_parallel, 8 ranks", wpo.Plan("model_parallel", None, 1, 8)),
+                        ("model_parallel, 8 ranks, chunk 4", wpo.Plan("model_parallel", 4, 1, 8)),
+                        ("chunked, chunk 16", wpo.Plan("chunked", 16)), ("chunked, chunk 4", wpo.Plan("chunked", 4))):
+        held = sum(wpo.held_memory(shape).values())
+        m = {k: sum(v.values()) for k, v in wpo.moments(shape, plan).items()}
+        per_rank = " per rank" if plan.world_size > 1 else ""
+        lines.append(f"| {label} | {sum(wpo.estimate_memory(shape, plan).values()) / 2**30:.1f} GiB{per_rank} | "
+                     f"{held / 2**30:.1f} GiB | {m[chr(97) + ' step' + chr(39) + 's forward and backward'] / 2**30:.1f} GiB | "
+                     f"{m['AdamW' + chr(39) + 's update'] / 2**30:.1f} GiB |")
+    return "\n".join(lines)
+
+
+def wpo_summary():
+    """One line: CIFAR-10 with K = 1000, all centres at once against chunks of 4 (the figures of wpo_plans)."""
+    import train_wpo_sgm_memory_efficient as wpo
+    shape = _cifar_shape()
+    full = sum(wpo.estimate_memory(shape, wpo.Plan("single_gpu")).values()) / 2**30
+    chunked = sum(wpo.estimate_memory(shape, wpo.Plan("chunked", 4)).values()) / 2**30
+    return (f"CIFAR-10 (D = {shape.dim:,}, N = {shape.train_samples:,}, batch {shape.batch}, factornet "
+            f"{shape.depth} x {shape.hidden}), K = {shape.centres:,}: {full:.1f} GiB predicted for all centres at once, "
+            f"{chunked:.1f} GiB chunked with c = 4 (the script's estimator; "
+            "[wpo_sgm_memory.md](wpo_sgm_memory.md) breaks both down).")
+
+
+def splade_table():
+    """train_splade_unified.estimate_memory for BERT-base, CUDA: the unified and optimized scripts' settings."""
+    import train_splade_unified as unified
+    from lib import bert
+    cfg = bert.BertConfig()
+    n = bert.param_count(cfg)
+    rows = [("`train_splade_unified.py --batch-size 32`", "32", dict(batch_size=32)),
+            ("`train_splade_unified.py --batch-size 32` (bf16 autocast)", "32", dict(batch_size=32, amp=True)),
+            ("`train_splade_optimized.py --batch-size 8 --gradient-accumulation-steps 4`", "32 (exact)",
+             dict(batch_size=8, cached_batch=32)),
+            ("the same `--memory-efficient`", "32 (exact)",
+             dict(batch_size=8, cached_batch=32, checkpointing=True, optimizer_on_cpu=True)),
+            ("`train_splade_unified.py --batch-size 128`", "128", dict(batch_size=128)),
+            ("`train_splade_optimized.py --batch-size 8 --gradient-accumulation-steps 16 --memory-efficient "
+             "--mixed-precision`", "128 (exact)",
+             dict(batch_size=8, cached_batch=128, checkpointing=True, optimizer_on_cpu=True, amp=True))]
+    lines = [f"BERT-base ({n / 1e6:.1f}M parameters, vocabulary {cfg.vocab_size:,}), one hard negative, queries 32 "
+             "and documents 256 tokens, CUDA:", "", "| run | effective batch | estimate |", "|---|---:|---:|"]
+    for label, eff, kw in rows:
+        kw = dict(kw)
+        b = kw.pop("batch_size")
+        e = unified.estimate_memory(cfg, n, b, 1, 32, 256, "cuda", **kw)
+        lines.append(f"| {label} | {eff} | {_gib(sum(e.values()))} |")
+    return "\n".join(lines)
