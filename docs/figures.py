@@ -489,6 +489,9 @@ def wpo_plans():
         lines.append(f"| {label} | {sum(wpo.estimate_memory(shape, plan).values()) / 2**30:.1f} GiB{per_rank} | "
                      f"{held / 2**30:.1f} GiB | {m[chr(97) + ' step' + chr(39) + 's forward and backward'] / 2**30:.1f} GiB | "
                      f"{m['AdamW' + chr(39) + 's update'] / 2**30:.1f} GiB |")
+    picks = [(gib, wpo.largest_chunk(shape, wpo.Plan("chunked"), wpo.FREE_FRACTION * gib * 2**30, 0)) for gib in (80, 40, 16)]
+    lines += ["", "With this much memory free on a GPU, auto picks chunked with the largest chunk that fits "
+              f"{wpo.FREE_FRACTION:.0%} of it: " + ", ".join(f"{c} centres per chunk on {g} GiB" for g, c in picks) + "."]
     return "\n".join(lines)
 
 
