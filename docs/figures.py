@@ -531,3 +531,70 @@ def splade_table():
         e = unified.estimate_memory(cfg, n, b, 1, 32, 256, "cuda", **kw)
         lines.append(f"| {label} | {eff} | {_gib(sum(e.values()))} |")
     return "\n".join(lines)
+
+
+# --- docs/fsdp2_explained.md ------------------------------------------------------------------------
+
+def _fsdp_counts(model, world):
+    """Each rank's local parameter count under FSDP2's Shard(0): dim 0 cut into chunks of ceil(rows / world)."""
+    counts = [0] * world
+    for p in model.parameters():
+        rows, rest = p.shape[0], p[0].numel() if p.dim() > 1 else 1
+        chunk = -(-rows // world)
+        for r in range(world):
+            counts[r] += max(0, min(chunk, rows - r * chunk)) * rest
+    return counts
+
+
+def fsdp_estimate(size="gpt2-xl", world="2", batch="8", bf16="no", checkpointing="no"):
+    """What `torchrun --nproc_per_node=WORLD train_fsdp.py --model-size SIZE --estimate-memory` prints per rank
+    on a CPU: the same lib/memory functions train_fsdp.print_estimate calls, and each rank's share of the rows."""
+    from lib import memory
+    cfg, model = _gpt(size)
+    world, batch, bf16, ckpt = int(world), int(batch), bf16 == "bf16", checkpointing == "checkpointing"
+    n = sum(p.numel() for p in model.parameters())
+    fsdp = memory.estimate_fsdp_training(cfg, n, batch, cfg.block_size, world, "cpu", bf16, checkpointing=ckpt)
+    ddp = memory.estimate_gpt_training(cfg, n, batch, cfg.block_size, "cpu", bf16, checkpointing=ckpt)
+    counts = _fsdp_counts(model, world)
+    flags = f" --mixed-precision bf16 --batch-size {batch}" if bf16 else ""
+    flags += " --activation-checkpointing" if ckpt else ""
+    return "\n".join([
+        "```", f"$ torchrun --standalone --nproc_per_node={world} train_fsdp.py --model-size {size} --estimate-memory{flags}",
+        "parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
+        + f" (of {n:,}; {n / world:,.0f} = 1/{world} each)",
+        memory.format_columns({f"FSDP2, 1 of {world}": fsdp, "DDP / unsharded": ddp},
+                              f"memory estimate per rank (lib/memory.py, batch {batch} x {cfg.block_size}, "
+                              f"{'bf16' if bf16 else 'fp32'}):"), "```"])
+
+
+def fsdp_rows(batch="4"):
+    """DDP against FSDP2 on 2, 4 and 8 ranks, per rank, CUDA bf16: the estimator's parts summed."""
+    from lib import memory
+    batch = int(batch)
+    lines = ["| model | per rank | DDP (any N) | FSDP2 N=2 | FSDP2 N=4 | FSDP2 N=8 |", "|---|---|---:|---:|---:|---:|"]
+
+    def parts(e):
+        state = sum(v for k, v in e.items() if k.startswith(("parameters", "gradients", "AdamW")))
+        comm = sum(v for k, v in e.items() if k.startswith(("DDP gradient", "all-gathered", "unsharded", "tied")))
+        act = e["activations"] + e[memory.LOSS_LABEL]
+        return state, comm, act, sum(e.values())
+
+    for size, label, ckpt in (("gpt2", "GPT-2 124M", False), ("gpt2-xl", "GPT-2 XL 1.5B", False),
+                              ("gpt2-xl", "GPT-2 XL, `--activation-checkpointing`", True)):
+        cfg, model = _gpt(size)
+        n = sum(p.numel() for p in model.parameters())
+        cols = [parts(memory.estimate_gpt_training(cfg, n, batch, cfg.block_size, "cuda", True, ddp=True, checkpointing=ckpt))]
+        cols += [parts(memory.estimate_fsdp_training(cfg, n, batch, cfg.block_size, w, "cuda", True, checkpointing=ckpt))
+                 for w in (2, 4, 8)]
+        name = label if ckpt else f"{label} ({n:,})"
+        if not ckpt:
+            lines.append(f"| {name} | weights + grads + AdamW | " + " | ".join(_gib(c[0]) for c in cols) + " |")
+            lines.append("| | DDP gradient buckets and tied embedding's second gradient / all-gathered + unsharded grads | "
+                         + " | ".join(_gib(c[1]) for c in cols) + " |")
+        lines.append(f"| {'' if not ckpt else name} | activations + loss (one chunk of logits) | "
+                     + " | ".join(_gib(c[2]) for c in cols) + " |")
+        total = [f"**{_gib(c[3])}**" for c in cols]
+        if ckpt:
+            total[0] += " (if train.py had the flag)"
+        lines.append("| | **total** | " + " | ".join(total) + " |")
+    return "\n".join(lines)
