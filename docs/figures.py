@@ -203,7 +203,8 @@ def recorded(path, key):
 
     The file holds "machine" (what is known of the machine: bench.machine's fields), "how" (what was
     run) and "tables" {key: {"header": [...], "align": "l r ...", "rows": [[...]], "note": "..."}} or
-    "figures" {key: "text"}. The rendering ends with the machine's caption.
+    "figures" {key: "text" or {"text": ..., "machine": {...}}}; a table's or figure's own "machine" fields
+    override the file's. The rendering ends with the machine's caption.
     """
     import json
     from bench import machine
@@ -212,7 +213,8 @@ def recorded(path, key):
     figure = report.get("figures", {}).get(key)
     if isinstance(figure, str):
         figure = {"text": figure}
-    where = {**report["machine"], **(figure or {}).get("machine", {})}  # a figure may say more of its run
+    entry = figure or report["tables"][key]
+    where = {**report["machine"], **entry.get("machine", {})}  # a table or figure may say more of its run
     caption = machine.caption(where)
     if where.get("note"):
         caption = caption[:-1] + f"; {where['note']}."
@@ -597,4 +599,38 @@ def fsdp_rows(batch="4"):
         if ckpt:
             total[0] += " (if train.py had the flag)"
         lines.append("| | **total** | " + " | ".join(total) + " |")
+    return "\n".join(lines)
+
+
+def judge_estimates(seq="512"):
+    """docs/judge_mps_vs_cuda.md: judge_train_mps.estimate_memory per known model and recipe, and one NF4 figure taken apart."""
+    from lib import llama
+    import judge_train_mps as judge
+    seq = int(seq)
+    lines = ["| model | parameters | LoRA r (trainable) | MPS script, fp32, batch 1 | CUDA script, NF4 + bf16 + checkpointing "
+             "+ 8-bit AdamW, batch 2 | CUDA `--no_4bit` (bf16 base), batch 1 |", "|---|---:|---:|---:|---:|---:|"]
+    full_logits = []
+    for name, kw in llama.KNOWN_CONFIGS.items():
+        cfg = llama.LlamaConfig(**kw)
+        n = judge.count_params(cfg)
+        r, _ = judge.lora_rank_for(n)
+        h, qd, kvd = cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
+        trainable = cfg.num_hidden_layers * r * ((h + qd) + 2 * (h + kvd) + (qd + h))
+        mps = judge.estimate_memory(cfg, 1, seq, "mps", "fp32", 4, r, "adamw", False)
+        nf4 = judge.estimate_memory(cfg, 2, seq, "cuda", "nf4", 2, r, "adamw8bit", True)
+        bf16 = judge.estimate_memory(cfg, 1, seq, "cuda", "bf16", 2, r, "adamw8bit", True)
+        lines.append(f"| {name.split('/')[1]} | {n:,} | {r} ({trainable:,}) | {_gib(sum(mps.values()))} | "
+                     f"{_gib(sum(nf4.values()))} | {_gib(sum(bf16.values()))} |")
+        logits = 2 * seq * cfg.vocab_size * 16  # lib/memory.logits_bytes under 16-bit autocast: 2 + 4 + 4 + 4 + 2 bytes a value
+        full_logits.append((name, cfg, n, nf4, logits, sum(nf4.values()) - nf4["loss (one chunk of logits)"] + logits))
+    name, cfg, n, e, logits, _ = full_logits[1]
+    lora = e["LoRA parameters (fp32)"]
+    lines += ["", f"Of the NF4 figure for {name.split('/')[1]}: the base {_gib(e['base weights (NF4 linears)'])} "
+              f"({_gib(n * 4)} in fp32), activations {_gib(e['activations (checkpointed)'])} with checkpointing, "
+              f"{e['8-bit AdamW state'] / 2**20:.1f} MiB of 8-bit AdamW state ({2 * lora / 2**20:.0f} MiB in fp32), and the "
+              f"loss, {e['loss (one chunk of logits)'] / 2**20:.0f} MiB. The full logits of its {cfg.vocab_size:,}-word "
+              f"vocabulary, 2 x {seq} x {cfg.vocab_size:,} values at 16 bytes under bf16 autocast (bf16 logits, their fp32 "
+              f"copy, the fp32 log-softmax and its gradient, and the bf16 gradient the head receives: "
+              f"`lib/memory.logits_bytes`), would be {_gib(logits)}, the largest single term: the NF4 column would read "
+              + ", ".join(_gib(t) for *_, t in full_logits) + " with them."]
     return "\n".join(lines)
