@@ -634,3 +634,21 @@ def judge_estimates(seq="512"):
               f"`lib/memory.logits_bytes`), would be {_gib(logits)}, the largest single term: the NF4 column would read "
               + ", ".join(_gib(t) for *_, t in full_logits) + " with them."]
     return "\n".join(lines)
+
+
+def splade_breakdown(batch="32"):
+    """docs/memory_optimization.md: where SPLADE's memory goes for BERT-base (train_splade_unified.estimate_memory)."""
+    import train_splade_unified as unified
+    from lib import bert
+    cfg = bert.BertConfig()
+    n = bert.param_count(cfg)
+    e = unified.estimate_memory(cfg, n, int(batch), 1, 32, 256, "cuda")
+    state = e["parameters (fp32)"] + e["gradients (fp32)"] + e["AdamW moments (2 x fp32)"]
+    return "\n".join([
+        f"| component | bytes | BERT-base, B={batch}, k=1, Lq=32, Ld=256 |", "|---|---|---:|",
+        f"| weights, gradients, AdamW moments (fp32) | 16 per parameter | {_gib(state)} |",
+        f"| encoder activations | about 18 x hidden values per token and layer, plus attention | {_gib(e['encoder activations'])} |",
+        f"| MLM logits and their gradients | tokens x vocabulary x 12 | {_gib(e['MLM logits + gradient'])} |", "",
+        f"(`estimate_memory` in `train_splade_unified.py`, which `--estimate-memory` prints; BERT-base: "
+        f"{cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n / 1e6:.1f}M parameters; "
+        f"the whole estimate, CUDA: {_gib(sum(e.values()))}.)"])
