@@ -9,6 +9,7 @@ Each function returns markdown for one block of README.md or docs/*.md (see docs
 """
 
 import argparse
+import functools
 import importlib
 import os
 import sys
@@ -119,7 +120,9 @@ def _mib(b):
     return f"{b / 2**20:,.0f} MiB" if b < 2**30 else f"{b / 2**30:,.2f} GiB"
 
 
+@functools.lru_cache(maxsize=None)
 def _gpt(size):
+    """(config, model on the meta device) for a named GPT-2 size: shapes only, no memory."""
     import torch
     from lib import gpt
     cfg = gpt.GPTConfig(**gpt.MODEL_SIZES[size])
