@@ -75,7 +75,7 @@ def options(parser):
 
 def _first_sentence(text):
     text = " ".join((text or "").split())
-    text = text.split("%(default)")[0].split(" (default")[0].split("; ")[0]
+    text = text.split("%(default)")[0].split(" (")[0].split("; ")[0].split(": ")[0]
     return text.rstrip(" .,:(")
 
 
@@ -89,12 +89,19 @@ def flag_table(min_scripts="4"):
                 counts[o] = counts.get(o, 0) + 1
     order = [o for name, _ in SCRIPTS for o in parsers[name]]  # first seen, in script order
     common = sorted({o for o, c in counts.items() if c >= int(min_scripts)}, key=order.index)
-    lines = ["| flag | " + " | ".join(short for _, short in SCRIPTS) + " | meaning (first script's help) |",
+    lines = ["| flag | " + " | ".join(short for _, short in SCRIPTS) + " | meaning (the scripts' help) |",
              "|---|" + "---|" * len(SCRIPTS) + "---|"]
     for flag in common:
         cells = ["✓" if flag in parsers[name] else "" for name, _ in SCRIPTS]
-        helps = [parsers[name][flag].help for name, _ in SCRIPTS if flag in parsers[name]]
-        lines.append(f"| `{flag}` | " + " | ".join(cells) + f" | {_first_sentence(helps[0])} |")
+        meanings = {}  # each distinct help text, with the scripts that give it
+        for name, short in SCRIPTS:
+            if flag in parsers[name]:
+                meanings.setdefault(_first_sentence(parsers[name][flag].help), []).append(short)
+        if len(meanings) == 1:
+            meaning = next(iter(meanings))
+        else:
+            meaning = "; ".join(f"{text} ({', '.join(shorts)})" for text, shorts in meanings.items())
+        lines.append(f"| `{flag}` | " + " | ".join(cells) + f" | {meaning} |")
     return "\n".join(lines)
 
 
