@@ -1,7 +1,7 @@
 """The docs are tested like code: README.md and every docs/*.md page, read against the repository.
 
 - every figure block equals what its source renders now (docs/render.py), and a changed digit
-  inside any block is caught;
+  inside any block is caught; a table of bytes or rates outside a block is refused;
 - every command in a code block parses: the script exists and its own argparse parser accepts
   the arguments (so every --flag is in its --help, and required arguments are there);
 - every relative link, every `path:line` and every `lib/module.name` reference resolves;
@@ -91,6 +91,19 @@ def test_the_check_command_fails_on_a_changed_block(tmp_path, monkeypatch, cache
     monkeypatch.setattr(render, "ROOT", str(tmp_path))
     assert render.main(["--check", page]) == 1
     assert f"{page}:{start + 1}:" in capsys.readouterr().out
+
+
+MEASURE = re.compile(r"\d[\d,.]*\s*(GiB|MiB|KiB|GB/s|tok/s|tokens/s)\b")
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_tables_of_memory_and_speed_sit_in_blocks(page):
+    """A table row that gives bytes or a rate is a computed or measured figure: it must be rendered."""
+    text = read(page)
+    inside = {i for start, end, _ in render.blocks(text) for i in range(start, end + 1)}
+    rows = [f"{page}:{i + 1}: {line[:100]}" for i, line in enumerate(text.split("\n"))
+            if i not in inside and line.startswith("|") and MEASURE.search(line)]
+    assert not rows, "put these tables in a figure block rendered from their source:\n" + "\n".join(rows)
 
 
 # --- commands ------------------------------------------------------------------------------------
