@@ -42,9 +42,16 @@ def drift(args):
     """Train the same MLP with fp32 AdamW and AdamW8bit; compare at the checkpoints."""
     teacher = make_mlp(1, args.width, args.depth)
     fp32, q8 = make_mlp(0, args.width, args.depth), make_mlp(0, args.width, args.depth)
+    # The baseline for "drift": a second fp32 run whose start differs by 1e-6 relative noise.
+    nudged = make_mlp(0, args.width, args.depth)
+    noise = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in nudged.parameters():
+            p.mul_(1 + 1e-6 * torch.randn(p.shape, generator=noise))
     start = [p.detach().clone() for p in fp32.parameters()]
     opt32 = torch.optim.AdamW(fp32.parameters(), lr=args.lr, weight_decay=0.01)
     opt8 = AdamW8bit(q8.parameters(), lr=args.lr, weight_decay=0.01)
+    opt_nudged = torch.optim.AdamW(nudged.parameters(), lr=args.lr, weight_decay=0.01)
     gen = torch.Generator().manual_seed(2)
     checkpoints, rows = set(args.checkpoints), []
     for step in range(1, max(checkpoints) + 1):
@@ -52,7 +59,7 @@ def drift(args):
         with torch.no_grad():
             y = teacher(x)
         losses = []
-        for model, opt in ((fp32, opt32), (q8, opt8)):
+        for model, opt in ((fp32, opt32), (q8, opt8), (nudged, opt_nudged)):
             opt.zero_grad(set_to_none=True)
             loss = torch.nn.functional.mse_loss(model(x), y)
             loss.backward()
@@ -75,8 +82,10 @@ def drift(args):
             v8 = dequantize_blockwise(s["state2"], s["absmax2"], False).view(-1)[:v_exact.numel()]
             apart = sum((a - b).pow(2).sum() for a, b in zip(q8.parameters(), fp32.parameters())).sqrt()
             moved = sum((a - b).pow(2).sum() for a, b in zip(fp32.parameters(), start)).sqrt()
+            apart_fp32 = sum((a - b).pow(2).sum() for a, b in zip(nudged.parameters(), fp32.parameters())).sqrt()
             rows.append({"step": step, "loss_fp32": losses[0], "loss_8bit": losses[1],
                          "weights_apart_over_moved": (apart / moved).item(),
+                         "fp32_nudged_apart_over_moved": (apart_fp32 / moved).item(),
                          "m_rel_error": ((m8 - m_exact).norm() / m_exact.norm()).item(),
                          "v_rel_error": ((v8 - v_exact).norm() / v_exact.norm()).item()})
             print(json.dumps(rows[-1]), file=sys.stderr)
@@ -130,8 +139,19 @@ def main(argv=None):
     p.add_argument("--checkpoints", type=int, nargs="+", default=[1, 10, 100, 500, 2000])
     p.add_argument("--sizes", type=int, nargs="+", default=[2**20, 2**22, 2**24])
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--only", choices=["drift", "speed"], help="measure one part; the other is kept from --out")
     args = p.parse_args(argv)
-    report = {"machine": machine.describe(quiet=args.quiet), "drift": drift(args), "speed": speed(args)}
+    report = {}
+    if args.only and args.out and os.path.exists(args.out):
+        with open(args.out) as f:
+            report = json.load(f)
+    if args.only:
+        report.setdefault("machines", {})[args.only] = machine.describe(quiet=args.quiet)
+    else:
+        report["machine"] = machine.describe(quiet=args.quiet)
+    for part, measure in (("drift", drift), ("speed", speed)):
+        if args.only in (None, part):
+            report[part] = measure(args)
     text = json.dumps(report, indent=1)
     print(text)
     if args.out:
@@ -143,15 +163,17 @@ def render_drift(path="bench/results/adam8bit.json"):
     with open(path) as f:
         report = json.load(f)
     d = report["drift"]
+    where = report.get("machines", {}).get("drift", report["machine"])
     lines = [f"{d['model']}, {d['parameters']:,} parameters, batch {d['batch']}, lr {d['lr']:g}, "
              f"weight decay {d['weight_decay']:g}; {d['task']}.", "",
              "| step | loss, fp32 AdamW | loss, 8-bit AdamW | weights apart / distance fp32 moved "
-             "| rounding error of m (one step) | rounding error of v (one step) |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| the same for fp32 from a start 1e-6 apart | rounding error of m (one step) | rounding error of v (one step) |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
         lines.append(f"| {r['step']:,} | {r['loss_fp32']:.4g} | {r['loss_8bit']:.4g} | "
-                     f"{r['weights_apart_over_moved']:.2%} | {r['m_rel_error']:.2%} | {r['v_rel_error']:.2%} |")
-    return "\n".join(lines + ["", machine.caption(report["machine"])])
+                     f"{r['weights_apart_over_moved']:.2%} | {r['fp32_nudged_apart_over_moved']:.4%} | "
+                     f"{r['m_rel_error']:.2%} | {r['v_rel_error']:.2%} |")
+    return "\n".join(lines + ["", machine.caption(where)])
 
 
 def render_speed(path="bench/results/adam8bit.json"):
