@@ -70,7 +70,7 @@ def main(argv=None):
     for step in range(args.warmup + args.steps):
         if step == args.warmup:
             devices.synchronize(device)
-            t0, data_time = time.perf_counter(), 0.0
+            t0, data_time, cpu0 = time.perf_counter(), 0.0, time.process_time()
         td = time.perf_counter()
         x, y = batches.get(step, 0, device)
         data_time += time.perf_counter() - td
@@ -82,6 +82,7 @@ def main(argv=None):
         opt.zero_grad(set_to_none=True)
     devices.synchronize(device)
     dt = (time.perf_counter() - t0) / args.steps
+    cpu_dt = (time.process_time() - cpu0) / args.steps  # user + system of this process, all threads
     tokens = args.batch_size * T
     peak = metrics.peak_flops_for(device, args.peak_flops)
     flops = metrics.flops_per_token(raw.num_params(), cfg.n_layer, cfg.n_embd, T) * tokens
@@ -93,6 +94,7 @@ def main(argv=None):
         "model_size": args.model_size, "n_params": raw.num_params(), "batch_size": args.batch_size, "block_size": T,
         "dtype": "fp32" if amp is None else str(amp).replace("torch.", ""), "compile": args.compile,
         "ms_per_step": round(dt * 1e3, 2),
+        "cpu_ms_per_step": round(cpu_dt * 1e3, 2),
         "data_ms_per_step": round(data_time / args.steps * 1e3, 3),
         "tokens_per_s": round(tokens / dt),
         "achieved_tflops": round(flops / dt / 1e12, 3),
@@ -114,11 +116,12 @@ def render(path="bench/results/train_throughput.json"):
     """One row per recorded run: the step time, tokens/s and the data path's share, with each machine named."""
     with open(path) as f:
         runs = json.load(f)["runs"]
-    lines = ["| model | batch | dtype | ms per step | tokens/s | data path per step | peak memory | load average (1 min) |",
+    lines = ["| model | batch | dtype | ms per step, wall (CPU) | tokens/s | data path per step | peak memory | load average (1 min) |",
              "|---|---|---|---:|---:|---:|---:|---:|"]
     for r in runs:
         lines.append(f"| {r['model_size']} ({r['n_params'] / 1e6:.1f}M) | {r['batch_size']} x {r['block_size']} | {r['dtype']}"
-                     f"{' + compile' if r['compile'] else ''} | {r['ms_per_step']:,.0f} | {r['tokens_per_s']:,} | "
+                     f"{' + compile' if r['compile'] else ''} | {r['ms_per_step']:,.0f} ({r.get('cpu_ms_per_step', float('nan')):,.0f}) | "
+                     f"{r['tokens_per_s']:,} | "
                      f"{r['data_ms_per_step']:.1f} ms ({r['data_ms_per_step'] / r['ms_per_step']:.1%}) | "
                      f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB ({r['memory_kind']}) | {r['machine']['load_avg_1m']} |")
     captions = sorted({machine.caption(r["machine"]) for r in runs})
