@@ -93,6 +93,7 @@ def main(argv=None):
         "torch": torch.__version__,
         "model_size": args.model_size, "n_params": raw.num_params(), "batch_size": args.batch_size, "block_size": T,
         "dtype": "fp32" if amp is None else str(amp).replace("torch.", ""), "compile": args.compile,
+        "timed_steps": args.steps, "warmup_steps": args.warmup,
         "ms_per_step": round(dt * 1e3, 2),
         "cpu_ms_per_step": round(cpu_dt * 1e3, 2),
         "data_ms_per_step": round(data_time / args.steps * 1e3, 3),
@@ -116,11 +117,11 @@ def render(path="bench/results/train_throughput.json"):
     """One row per recorded run: the step time, tokens/s and the data path's share, with each machine named."""
     with open(path) as f:
         runs = json.load(f)["runs"]
-    lines = ["| model | batch | dtype | ms per step, wall (CPU) | tokens/s | data path per step | peak memory | load average (1 min) |",
-             "|---|---|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | batch | dtype | timed steps (after warm-up) | ms per step, wall (CPU) | tokens/s | data path per step | peak memory | load average (1 min) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
         lines.append(f"| {r['model_size']} ({r['n_params'] / 1e6:.1f}M) | {r['batch_size']} x {r['block_size']} | {r['dtype']}"
-                     f"{' + compile' if r['compile'] else ''} | {r['ms_per_step']:,.0f} ({r.get('cpu_ms_per_step', float('nan')):,.0f}) | "
+                     f"{' + compile' if r['compile'] else ''} | {r.get('timed_steps', '?')} ({r.get('warmup_steps', '?')}) | {r['ms_per_step']:,.0f} ({r.get('cpu_ms_per_step', float('nan')):,.0f}) | "
                      f"{r['tokens_per_s']:,} | "
                      f"{r['data_ms_per_step']:.1f} ms ({r['data_ms_per_step'] / r['ms_per_step']:.1%}) | "
                      f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB ({r['memory_kind']}) | {r['machine']['load_avg_1m']} |")
