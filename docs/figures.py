@@ -1,11 +1,15 @@
-"""Renderers for figure blocks computed from the code itself (no measurement, nothing trained).
+"""Renderers for the figure blocks of README.md and docs/*.md (see docs/render.py); nothing here trains.
 
-Each function returns markdown for one block of README.md or docs/*.md (see docs/render.py):
-- the scripts' flags, read from their own argparse parsers (flag_table, kept_names);
-- estimator tables: `--estimate-memory` of a script for model sizes, on the meta device (estimate_table);
-- the loss-chunk policy of lib/lm_loss (chunk_policy);
-- the NF4 and LoRA arithmetic of lib/memory and lib/nf4 (nf4_table);
-- the SPLADE loss worked by hand, checked against the function that computes it (splade_example).
+Each function returns markdown for one block:
+- the scripts' flags, read from their own argparse parsers: flag_table, kept_names (script_parser,
+  options and parse also serve tests/test_docs.py);
+- estimator tables, on the meta device or from arithmetic: nf4_table, nf4_errors, lora_estimates,
+  chunk_policy, logits_table, pretrain_table, fsdp_table, fsdp_estimate, fsdp_rows, finetune_totals,
+  judge_table, judge_estimates, wpo_plans, wpo_summary, splade_table, splade_breakdown, dynamic_map;
+- hand-worked examples checked against the function they explain: splade_example, gradcache_check;
+- measurements kept in bench/results JSON from before their bench wrote JSON: recorded.
+Measured tables whose bench writes JSON are rendered by that bench script (bench/adam8bit.py,
+bench/nf4.py, bench/train_throughput.py).
 """
 
 import argparse
@@ -136,18 +140,6 @@ def _gpt(size):
     with torch.device("meta"):
         model = gpt.GPT(cfg)
     return cfg, model
-
-
-def estimate(script, *args):
-    """A script's `--estimate-memory` transcript, run in this process (the estimate exits before any data or model)."""
-    import contextlib
-    import io
-    mod = importlib.import_module(script[:-3] if script.endswith(".py") else script)
-    out = io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
-        mod.main(["--estimate-memory", *args])
-    command = " ".join(["python", script if script.endswith(".py") else script + ".py", "--estimate-memory", *args])
-    return f"```\n$ {command}\n{out.getvalue().rstrip()}\n```"
 
 
 def nf4_table(r="8"):
