@@ -159,6 +159,7 @@ def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--scripts", nargs="*", help="only these scripts (default: all ten)")
     p.add_argument("--sizes", nargs="+", default=["tiny", "real"], choices=["tiny", "real"])
+    p.add_argument("--flags-with", help="only the cases whose flags contain this text (e.g. --grad-checkpoint)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "byhand-memory-models"),
                    help="where the real-size models and data are written (and found again)")
@@ -176,7 +177,8 @@ def main(argv=None):
     work = tempfile.mkdtemp(prefix="byhand-memory-estimate-")
     rows = []
     for script, size, flags in CASES:
-        if size not in args.sizes or (args.scripts and script not in args.scripts):
+        if size not in args.sizes or (args.scripts and script not in args.scripts) or \
+                (args.flags_with and args.flags_with not in flags):
             continue
         row = {"script": script, "size": size, "flags": flags.format(**paths).replace(args.models, "MODELS")}
         try:
