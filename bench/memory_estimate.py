@@ -279,7 +279,8 @@ def render_finetune(path):
     lines.append("| CPU time of the run (user + sys) | " + " | ".join(f"{r['cpu_seconds']:.0f} s" for r in runs) + " |")
     lines += ["", "The estimate's rows (as the script prints them):", ""]
     for name, r in zip(names, runs):
-        lines += [f"{name}:", "", "```", *r["printed"], "```", ""]
+        table = [line for line in r["printed"] if line.startswith(("memory estimate", "  "))]
+        lines += [f"{name}:", "", "```", *table, "```", ""]
     lines.append(caption(report["machine"]) + " GPT-2 124M (random weights, same shapes), 8 x 1,024 tokens a step, "
                  "LoRA r=8 on c_attn, fp32 compute.")
     return "\n".join(lines)
