@@ -192,6 +192,38 @@ def load_meta(path: str) -> dict:
 # --- batches ------------------------------------------------------------------------------------
 
 
+def keep_global_batch(batch_size: int, saved_accum: int, saved_world: int, world: int, given_accum: int = None,
+                      log=print) -> int:
+    """The --grad-accum that continues a run saved by saved_world processes on `world` processes.
+
+    A step's windows depend only on (seed, step) and on how many there are (see Batches), so a run saved
+    by N processes continues exactly on M as long as the global batch, batch_size x grad_accum x world,
+    stays the same. given_accum: a --grad-accum the user gave, checked; else it is recomputed, and the
+    change is said. What cannot keep the global batch is refused in one line, never run silently.
+    """
+    saved_global = batch_size * saved_accum * saved_world
+    per_accum = batch_size * world
+    if given_accum is not None:
+        if given_accum * per_accum != saved_global:
+            raise UserError(
+                f"--resume: --grad-accum {given_accum} on {world} process(es) makes {given_accum * per_accum} "
+                f"sequences per step, the saved run took {saved_global} ({batch_size} x {saved_accum} x "
+                f"{saved_world} processes); drop --grad-accum to keep the run's global batch"
+            )
+        return given_accum
+    if saved_global % per_accum:
+        raise UserError(
+            f"--resume: the saved run took {saved_global} sequences per step ({batch_size} x {saved_accum} "
+            f"accumulation x {saved_world} processes), which {world} process(es) of --batch-size {batch_size} "
+            f"cannot share evenly; resume on a number of processes that divides {saved_global // batch_size}"
+        )
+    accum = saved_global // per_accum
+    if world != saved_world:
+        log(f"--resume: saved by {saved_world} process(es) with --grad-accum {saved_accum}, continued by {world} "
+            f"with --grad-accum {accum}: the same {saved_global} sequences per step")
+    return accum
+
+
 class TokenSplit:
     """One split ("train" or "val") of a shard directory, as memory-mapped uint16 arrays."""
 
