@@ -175,8 +175,10 @@ RUN = rundir.Spec(
     written=(rundir.METRICS, SHARDED),
     state_file=os.path.join(SHARDED, LATEST),
     fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
-           "batch_size", "grad_accum"),
-    changeable=("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+           "batch_size"),
+    # grad_accum may change only with the number of ranks, so that batch x grad_accum x world, the global batch, stays
+    # the run's (train.resume_global_batch).
+    changeable=("grad_accum", "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
                 "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "reshard_after_forward",
                 "cpu_offload", "activation_checkpointing", "export", "sample_tokens", "prompt", "temperature",
                 "top_k", "peak_flops"),
@@ -469,9 +471,12 @@ def run(args, parser, argv):
     # The run directory: a saved run is never replaced without --overwrite; --resume validates latest.json and
     # every shard file it names, and takes the saved run's flags (lib/rundir.py). Every rank checks.
     main_rank = int(os.environ.get("RANK", 0)) == 0
+    accum_given = "grad_accum" in guards.explicit_flags(args, parser, argv)  # before the saved flags fill args
     run_dir = rundir.prepare(args, parser, argv, RUN, log=print if main_rank else (lambda *a: None),
                              writes=not args.estimate_memory)
     latest = run_dir.state  # sharded/latest.json of the run being resumed, or None
+    if latest is not None:  # on another number of ranks (DCP reshards), the same global batch
+        train.resume_global_batch(args, latest, accum_given, log=print if main_rank else (lambda *a: None))
 
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)

@@ -48,3 +48,22 @@ def test_train_saved_by_two_ranks_resumes_on_one_as_the_unbroken_run(tmp_path, t
         train.main(["--resume", "--steps", "7", "--grad-accum", "1", "--out-dir", out])
     assert e.value.code == 2
     assert "drop --grad-accum" in capsys.readouterr().err
+
+
+@pytest.mark.multiprocess
+def test_fsdp_resumes_two_then_one_then_two_ranks_as_the_unbroken_run(tmp_path, text_dir, isolated_cache, capsys):
+    common = [*TINY, *FLAT, "--data", text_dir, "--no-export"]
+    train_fsdp.main([*common, "--grad-accum", "2", "--steps", "6", "--out-dir", str(tmp_path / "one")])
+    out = str(tmp_path / "elastic")
+    env = {"BYHAND_CACHE": isolated_cache}
+    proc = conftest.torchrun(["train_fsdp.py", *common, "--steps", "2", "--out-dir", out], env=env)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    capsys.readouterr()
+    train_fsdp.main(["--resume", "--steps", "4", "--out-dir", out])  # DCP reshards 2 -> 1
+    assert "continued by 1 with --grad-accum 2" in capsys.readouterr().out
+    proc = conftest.torchrun(["train_fsdp.py", "--resume", "--steps", "6", "--out-dir", out], env=env)  # 1 -> 2
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "continued by 2 with --grad-accum 1" in proc.stdout
+    one, elastic = step_losses(tmp_path / "one"), step_losses(out)
+    assert sorted(elastic) == list(range(6))
+    assert [elastic[s] for s in range(6)] == pytest.approx([one[s] for s in range(6)], abs=1e-5)
