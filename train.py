@@ -39,8 +39,9 @@ def make_parser():
         formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
-                   "directory, or 'stdlib' (the running Python's standard library, tests left out)")
+    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a token directory "
+                   "(prepared here, nanoGPT's train.bin + val.bin, or llm.c's *_train_*.bin + *_val_*.bin shards), "
+                   "or 'stdlib' (the running Python's standard library, tests left out)")
     g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards and hub downloads are "
                    "kept ($BYHAND_CACHE, else ~/.cache/byhand)")
     g = p.add_argument_group("model")
@@ -282,6 +283,7 @@ def run(args, parser, argv):
     # --- data -------------------------------------------------------------------------------------
     # One process per machine tokenises (once, cached); the others wait and then find the cache.
     data_dir = distributed.local_rank_0_first(dist_info, lambda: data.prepare(args.data, args.cache_dir, log=log))
+    log(data.describe(data_dir))  # the token counts read, and the format (this project's, nanoGPT's or llm.c's)
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, dist_info.rank, dist_info.world_size, seed=args.seed)
     # Validation batches are one fixed list, split between ranks inside evaluate().
