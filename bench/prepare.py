@@ -5,7 +5,7 @@
 
 Each point runs in a fresh process: build (or reuse) a corpus of SIZE MB in --scratch, import a
 `prepare`, tokenise into an empty cache, and report wall and CPU seconds and the process's peak RSS
-(ru_maxrss), beside the RSS right after the imports (torch is imported by lib.data either way).
+(VmHWM, Linux), beside the RSS right after the imports (torch is imported by lib.data either way).
 
 "streaming" is today's lib/data.prepare. "in_memory" is the earlier one, read from git (commit
 OLD_COMMIT): it read every file into a list of strings, tokenised it all into Python lists and only then
@@ -34,7 +34,7 @@ MAX_PEAK_RATIO = 1.15
 OLD_BYTES_PER_BYTE = 17  # the in-memory peak per byte of text, measured: skip sizes that would not fit
 
 CHILD = r"""
-import hashlib, json, os, resource, sys, time
+import hashlib, json, os, sys, time
 sys.path.insert(0, {root!r})
 impl, corpus, cache = sys.argv[1], sys.argv[2], sys.argv[3]
 if impl == "in_memory":
@@ -45,11 +45,14 @@ else:
     from lib import data as mod
 from lib import tokenizer
 tokenizer.get_encoding()
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def hwm():  # this process's peak RSS: VmHWM is the memory map's own (ru_maxrss would include the parent's at fork)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+base = hwm()
 t0, c0 = time.perf_counter(), os.times()
 out = mod.prepare(corpus, cache, log=lambda *a: None)
 t1, c1 = time.perf_counter(), os.times()
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+peak = hwm()
 meta = json.load(open(os.path.join(out, "meta.json")))
 h = hashlib.sha256()
 for split in ("train", "val"):
