@@ -157,7 +157,7 @@ def test_a_directory_streams_to_the_same_tokens_as_tokenising_each_file(tmp_path
     monkeypatch.setattr(data, "CHUNK_BYTES", 4096)
     monkeypatch.setattr(data, "PROGRESS_SECONDS", 0)  # a progress line after every batch
     said = []
-    out = data.prepare(text_dir, log=said.append)
+    out = data.prepare(text_dir, str(tmp_path / "cache"), log=said.append)  # a fresh cache: prepared here
     files = sorted(os.listdir(text_dir))
     for split in ("train", "val"):
         texts = [open(os.path.join(text_dir, n), encoding="utf-8").read() for n in files
@@ -271,3 +271,16 @@ def test_train_py_trains_on_nanogpt_and_llmc_files_as_on_its_own_shards(tmp_path
         assert f"data: {len(train_ids):,} train tokens (1 file(s)), {len(val_ids):,} val tokens" in capsys.readouterr().out
         losses[name] = step_losses(tmp_path / name)
     assert losses["nanogpt"] == losses["ours"] == losses["llm.c"]  # the same windows of the same tokens
+
+
+def test_the_data_page_shows_the_committed_preparation_bench():
+    """docs/pretraining_data.md's table is rendered from bench/results/prepare.json, which shows flat memory."""
+    from docs import render
+
+    page = os.path.join(render.ROOT, "docs", "pretraining_data.md")
+    text = open(page, encoding="utf-8").read()
+    assert [source for _, _, source in render.blocks(text)] == ["bench.prepare.render bench/results/prepare.json"]
+    assert render.render_page(text)[1] == [], "run python docs/render.py"
+    report = json.load(open(os.path.join(render.ROOT, "bench", "results", "prepare.json")))
+    assert report["checks"]["flat_memory"] and report["checks"]["same_tokens_as_in_memory"]
+    assert {p["text_mb"] for p in report["points"]} == {50, 400, 1600}
