@@ -167,6 +167,8 @@ def check(report):
         smallest = stream[min(stream)]["peak_rss"]
         out["peak_ratio_to_smallest"] = {mb: round(p["peak_rss"] / smallest, 3) for mb, p in sorted(stream.items())}
         out["flat_memory"] = all(r <= MAX_PEAK_RATIO for r in out["peak_ratio_to_smallest"].values())
+        if 50 in stream and 400 in stream:  # the target as first stated: 400 MB peaks within 15% of 50 MB
+            out["flat_400_vs_50"] = stream[400]["peak_rss"] <= MAX_PEAK_RATIO * stream[50]["peak_rss"]
     same = [p["tokens_sha256"] == stream[p["text_mb"]]["tokens_sha256"] for p in report["points"]
             if p["impl"] == "in_memory" and "tokens_sha256" in p and p["text_mb"] in stream]
     out["same_tokens_as_in_memory"] = all(same) if same else None
@@ -188,7 +190,7 @@ def render(path):
             if p is None:
                 cells += ["not run", "not run"]
             elif "skipped" in p:
-                cells += ["skipped", f"would need {p['skipped'].split('(')[0].replace('needs about ', '')}"]
+                cells += ["skipped", f"would need {p['skipped'].split('(')[0].replace('needs about ', '').strip()}"]
             else:
                 cells += [f"{p['mb_per_s']:.2f} ({p['mb_per_cpu_s']:.2f})", f"{p['peak_rss'] / 2**20:,.0f} MiB"]
         rows.append("| " + " | ".join(cells) + " |")
@@ -200,6 +202,11 @@ def render(path):
                      f"after the imports). Streaming peak relative to the smallest corpus: "
                      + ", ".join(f"{int(k):,} MB {v:.2f}x" for k, v in checks.get("peak_ratio_to_smallest", {}).items())
                      + f"; the same tokens as the in-memory way: {'yes' if checks.get('same_tokens_as_in_memory') else 'not compared'}.")
+    if checks.get("flat_memory") is False:
+        worst = max(checks["peak_ratio_to_smallest"].items(), key=lambda kv: kv[1])
+        lines.append(f"Not yet flat everywhere: at {int(worst[0]):,} MB the streaming peak is {worst[1]:.2f}x the smallest "
+                     f"corpus's, above the {MAX_PEAK_RATIO:.2f}x target. What a batch holds does not grow with the "
+                     f"corpus (8 chunks of 1 MiB and their tokens); the slow growth on top of it is not explained yet.")
     lines.append(caption(report["machine"]))
     return "\n".join(lines)
 
