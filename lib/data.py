@@ -85,7 +85,7 @@ def _list_source(source: str):
 
 
 CHUNK_BYTES = 1 << 20  # a big file is read (and tokenised) about 1 MiB at a time, cut at a line boundary
-BATCH_CHUNKS = 8  # chunks tokenised together, one thread each (tiktoken releases the GIL): memory ~ 8 chunks
+BATCH_CHUNKS = 8  # chunks tokenised together, on a thread per core (tiktoken releases the GIL): memory ~ 8 chunks
 PROGRESS_SECONDS = 10  # at most one progress line this often
 
 
@@ -180,6 +180,22 @@ def _move_tail_to_val(train: _ShardWriter, val: _ShardWriter):
     train.tokens = cut
 
 
+def _malloc_trim():
+    """A function that hands the heap's free pages back to the OS (glibc's malloc_trim), or one that does nothing.
+
+    Each batch allocates and frees buffers of about a MiB (the chunks' text, their tokens) on 8 threads. After
+    the first are freed, glibc raises its mmap threshold and serves the later ones from its per-thread heaps,
+    whose free pages it keeps: measured, the peak then creeps up with the corpus (1.35x at 1,600 MB against
+    50 MB). Trimming after every batch keeps it flat."""
+    try:
+        import ctypes
+
+        trim = ctypes.CDLL(None).malloc_trim
+        return lambda: trim(0)
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to do
+        return lambda: None
+
+
 def _progress(log, done, total, started, unit="MB"):
     seconds = max(1e-9, time.perf_counter() - started)
     rate = done / seconds
@@ -240,6 +256,7 @@ def prepare(source: str, cache_dir: str = None, log=print) -> str:
     skip = source in ("stdlib", "stdlib-tests")  # the stdlib ships a few mis-encoded codec tests; skip those
     started, last_report, done = time.perf_counter(), time.perf_counter(), 0
     pool = ThreadPoolExecutor(max(1, min(BATCH_CHUNKS, os.cpu_count() or 1)))
+    release = _malloc_trim()
 
     def pieces():
         """(split, first chunk of its file?, byte count, text) for every non-blank file, in order."""
@@ -266,6 +283,7 @@ def prepare(source: str, cache_dir: str = None, log=print) -> str:
                     writers[split].write(ids)
                     done += nbytes
                 batch = []
+                release()
                 if time.perf_counter() - last_report > PROGRESS_SECONDS:
                     _progress(log, done, total, started)
                     last_report = time.perf_counter()
