@@ -202,6 +202,8 @@ def render(path):
                      f"after the imports). Streaming peak relative to the smallest corpus: "
                      + ", ".join(f"{int(k):,} MB {v:.2f}x" for k, v in checks.get("peak_ratio_to_smallest", {}).items())
                      + f"; the same tokens as the in-memory way: {'yes' if checks.get('same_tokens_as_in_memory') else 'not compared'}.")
+    if report.get("note"):
+        lines.append(report["note"][0].upper() + report["note"][1:] + ".")
     if checks.get("flat_memory") is False:
         worst = max(checks["peak_ratio_to_smallest"].items(), key=lambda kv: kv[1])
         lines.append(f"Not yet flat everywhere: at {int(worst[0]):,} MB the streaming peak is {worst[1]:.2f}x the smallest "
