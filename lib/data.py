@@ -6,6 +6,10 @@ ids fit in 16 bits), and from then on a batch is just random windows of that arr
 memory map. The window positions for step k are a pure function of (seed, k), so a resumed run or a
 run on N ranks reads exactly the windows an uninterrupted single-process run would have read.
 
+Preparation streams (chunks cut at line boundaries, tokenised in batches, appended to the shards on disk), so
+memory does not grow with the corpus. nanoGPT's train.bin/val.bin and llm.c's *_train_*.bin shards are read
+in place. keep_global_batch lets --resume continue on another number of processes with the same windows.
+
 The embedded default corpus is the running Python's own standard library (found via sysconfig),
 split into train/val by file. The stdlib's test files are left out of it and form a second domain
 ("stdlib-tests") for the fine-tuning scripts.

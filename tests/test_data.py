@@ -267,7 +267,8 @@ def test_train_py_trains_on_nanogpt_and_llmc_files_as_on_its_own_shards(tmp_path
     write_llmc(llmc / "corpus_train_000001.bin", train_ids), write_llmc(llmc / "corpus_val_000000.bin", val_ids)
     losses = {}
     for name, d in [("ours", text_dir), ("nanogpt", nano), ("llm.c", llmc)]:
-        train.main([*TINY, "--steps", "2", "--eval-interval", "100", "--eval-batches", "1", "--data", str(d), "--out-dir", str(tmp_path / name)])
+        train.main([*TINY, "--steps", "2", "--eval-interval", "100", "--eval-batches", "1", "--data", str(d),
+                    "--out-dir", str(tmp_path / name)])
         assert f"data: {len(train_ids):,} train tokens (1 file(s)), {len(val_ids):,} val tokens" in capsys.readouterr().out
         losses[name] = step_losses(tmp_path / name)
     assert losses["nanogpt"] == losses["ours"] == losses["llm.c"]  # the same windows of the same tokens
