@@ -156,9 +156,13 @@ def base(tmp_path_factory):
                                           (finetune_qlora, ["--grad-checkpoint"])])
 def test_tiny_run_peak_against_its_estimate(script, extra, base, tmp_path):
     """The end record of metrics.jsonl carries both, in bytes; the peak is within the project's 25%."""
-    script.main(["--init-from", base, "--out-dir", str(tmp_path), "--steps", "2", "--batch-size", "4",
-                 "--eval-batches", "1", "--sample-tokens", "0", "--dtype", "fp32", *extra])
-    with open(os.path.join(tmp_path, "metrics.jsonl")) as f:
+    text = tmp_path / "text.txt"  # a small corpus of its own: the test is about memory, not the data
+    text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(1500)))
+    out = tmp_path / "out"
+    script.main(["--init-from", base, "--out-dir", str(out), "--data", str(text), "--cache-dir", str(tmp_path / "cache"),
+                 "--steps", "2", "--batch-size", "4", "--eval-batches", "1", "--sample-tokens", "0", "--dtype", "fp32",
+                 *extra])
+    with open(os.path.join(out, "metrics.jsonl")) as f:
         end = [json.loads(line) for line in f][-1]
     assert end["event"] == "end" and end["memory_estimate"] > 0
     assert 0.75 <= end["peak_memory"] / end["memory_estimate"] <= 1.25
