@@ -208,8 +208,19 @@ def recipe_for(args) -> Recipe:
     else:
         device = torch.device("cpu")
         if args.model != TINY and not args.estimate_memory:
-            print("warning: MPS is not available; training on the CPU (slow for a 1.5B model)", file=sys.stderr)
+            print(f"warning: MPS is not available; training on the CPU (slow for {model_size_text(args)})",
+                  file=sys.stderr)
     return Recipe(device=device, empty_cache_every=5 if device.type == "mps" else 0)
+
+
+def model_size_text(args) -> str:
+    """'a 135M model', 'a 1.544B model': the size from config.json (a local directory, a cached
+    download, or the built-in copy for the named models); 'a model of unknown size' otherwise."""
+    try:
+        n = count_params(llama.config_for_estimate(args.model, args.cache_dir))
+    except (UserError, OSError, ValueError, KeyError, TypeError):
+        return "a model of unknown size"
+    return f"a {n / 1e9:.3g}B model" if n >= 1e9 else f"a {n / 1e6:.0f}M model"
 
 
 # --- 2. data: the judge set, its chat-template rendering, the loss on the answer only ---------------
@@ -669,6 +680,7 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
                     log(f"early stopping: no improvement of {args.min_delta} in {args.patience} validations")
                     break
                 checkpoint()
+            t_step = time.perf_counter()
             epoch, i = divmod(step, steps_per_epoch)
             order = epoch_order(len(train_enc), args.seed, epoch)
             lr = optim.lr_at(step, args.lr, warmup, total_steps, 0.1)
@@ -704,6 +716,13 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
             record = dict(step=step, epoch=epoch, loss=loss_sum, lr=lr, grad_norm=grad_norm)
             if skipped:
                 record["skipped"] = True
+            if speed.steady_steps == 0 and progress.step < total_steps:  # this invocation's first step
+                devices.synchronize(device)
+                first = time.perf_counter() - t_step
+                if first >= 1.0:  # a long step: say what the run will take before the first progress line
+                    log(f"first step: {first:.1f} s (warm-up included); at that pace the {total_steps - progress.step} "
+                        f"steps left take about {metrics.format_seconds(first * (total_steps - progress.step))}, "
+                        f"validations and the test evaluation aside")
             if step % args.log_interval == 0 or progress.step == total_steps:
                 devices.synchronize(device)
                 tok_s, _, eta = speed.report(progress.step)
@@ -853,12 +872,24 @@ def judge_metrics(pred_texts: list, ref_texts: list) -> dict:
     return out
 
 
-def constant_predictor_mae(train_answers: list, test_answers: list) -> float:
-    """MAE of always answering the training set's median score: the bar a judge must clear to have
-    learned anything from the inputs."""
+def constant_guess(train_answers: list, test_answers: list) -> dict:
+    """{"score": the training set's median score, "mae": the MAE of answering it to every test
+    conversation}: the bar a judge must clear to have learned anything from the inputs. (A judge that
+    never reads the translation does best, in MAE, by always answering the median.)"""
     train = [s for s in map(parse_score, train_answers) if s is not None]
     test = [s for s in map(parse_score, test_answers) if s is not None]
-    return mae([float(np.median(train))] * len(test), test)
+    median = float(np.median(train))
+    return {"score": median, "mae": mae([median] * len(test), test)}
+
+
+def constant_predictor_mae(train_answers: list, test_answers: list) -> float:
+    return constant_guess(train_answers, test_answers)["mae"]
+
+
+def beats_constant(m: dict, const: dict) -> bool:
+    """The judge has learned something: a lower MAE than the constant guess, with a score in at least
+    half of its answers (an MAE over the few answers that parse flatters a judge that mostly fails)."""
+    return m["mae"] is not None and m["mae"] < const["mae"] and 2 * m["n_scored"] >= m["n"]
 
 
 def evaluate_judge(model, tok, conversations: list, device, amp, max_new_tokens: int, log=print):
@@ -871,12 +902,15 @@ def evaluate_judge(model, tok, conversations: list, device, amp, max_new_tokens:
     return judge_metrics(answers, refs), predictions
 
 
-def format_metrics(m: dict) -> str:
+def format_metrics(m: dict, const: dict = None) -> str:
+    """The evaluation line; with const, the constant guess's MAE beside the judge's."""
+    guess = "" if const is None else (f"; a constant guess (the training median, {const['score']:g}) has MAE "
+                                      f"{const['mae']:.3f}")
     if m["mae"] is None:
-        return f"no parseable score in {m['n']} answers"
+        return f"no parseable score in {m['n']} answers{guess}"
     return (f"MAE {m['mae']:.3f}, RMSE {m['rmse']:.3f}, Cohen's kappa {m['cohen_kappa']:.3f}, Pearson r "
             f"{m['pearson_r']:.3f}, ROUGE-L F1 {m['rouge_l_f1']:.3f} ({m['n_scored']}/{m['n']} scored, "
-            f"{m['unparseable']} unparseable)")
+            f"{m['unparseable']} unparseable){guess}")
 
 
 # --- run: the steps above, in order --------------------------------------------------------------------
@@ -960,16 +994,18 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
              optimizer=recipe.optimizer, amp=str(recipe.amp), checkpointing=recipe.checkpointing,
              model_dir=model_dir, lora=dict(r=r, alpha=alpha, dropout=LORA_DROPOUT, targets=LORA_TARGETS),
              n_trainable=n_lora, n_params=n_total, total_steps=total_steps, args=vars(args))
-    result = {"model": model, "tokenizer": tok, "estimate": estimate, "total_steps": total_steps}
+    # The bar every judge is measured against: always answering the training set's median score.
+    const = constant_guess([c[-1]["content"] for c in train_set], [c[-1]["content"] for c in test_set])
+    result = {"model": model, "tokenizer": tok, "estimate": estimate, "total_steps": total_steps,
+              "constant_guess": const, "constant_mae": const["mae"]}
 
     # The untrained judge on the test set (LoRA B is zero, so this is the base), for comparison.
     if args.baseline_eval and not args.skip_eval and state is None and not args.adapter:
         log("evaluating the untrained judge (the base model) on the test set")
         before, _ = evaluate_judge(model, tok, test_set, device, recipe.amp, args.max_new_tokens, log)
-        const = constant_predictor_mae([c[-1]["content"] for c in train_set], [c[-1]["content"] for c in test_set])
-        log(f"untrained judge: {format_metrics(before)}; a constant answer (the training median) has MAE {const:.3f}")
-        mlog.log(event="baseline", constant_mae=const, **before)
-        result.update(baseline=before, constant_mae=const)
+        log(f"untrained judge: {format_metrics(before, const)}")
+        mlog.log(event="baseline", constant_mae=const["mae"], **before)
+        result.update(baseline=before)
 
     # --- 5. and 6. train, keeping the best adapter and the state in --output_dir ----------------------
     base_name = model_dir if tiny else args.model
@@ -990,12 +1026,20 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
         log(f"evaluating the {'fine-tuned' if total_steps or args.adapter else 'untrained'} judge on "
             f"{len(test_set)} test conversations (greedy)")
         after, predictions = evaluate_judge(model, tok, test_set, device, recipe.amp, args.max_new_tokens, log)
-        save_json(os.path.join(args.output_dir, PREDICTIONS), predictions)
-        log(f"judge: {format_metrics(after)}")
+        save_json(os.path.join(args.output_dir, PREDICTIONS),
+                  {"metrics": after, "constant_guess": const, "beats_constant": beats_constant(after, const),
+                   "predictions": predictions})
+        log(f"judge: {format_metrics(after, const)}")
+        if not beats_constant(after, const):
+            log(f"warning: the judge does no better than always answering {const['score']:g} (MAE "
+                + (f"{after['mae']:.3f}" if after["mae"] is not None else "-") + f" against {const['mae']:.3f}"
+                + (f", {after['unparseable']} of {after['n']} answers without a score" if after["unparseable"] else "")
+                + "): it has not learned to grade; train on more conversations or for more epochs")
         if "baseline" in result and result["baseline"]["mae"] is not None and after["mae"] is not None:
             log(f"MAE {result['baseline']['mae']:.3f} untrained -> {after['mae']:.3f} fine-tuned "
-                f"(constant answer: {result['constant_mae']:.3f})")
-        mlog.log(event="test", **after)
+                f"(constant guess: {const['mae']:.3f})")
+        mlog.log(event="test", constant_mae=const["mae"], constant_score=const["score"],
+                 beats_constant=beats_constant(after, const), **after)
         result.update(test=after, predictions=predictions)
     peak = devices.peak_memory_bytes(device)
     log(format_table(estimate, peak, f"measured ({devices.memory_label(device)})"))

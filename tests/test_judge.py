@@ -74,6 +74,46 @@ def test_judge_metrics_counts_unparseable():
     assert judge.constant_predictor_mae(["Score: 2/10", "Score: 4/10", "Score: 9/10"], ["Score: 4/10", "Score: 8/10"]) == 2.0
 
 
+def test_constant_guess_is_the_training_median():
+    train = ["Score: 2/10", "Score: 4/10", "Score: 9/10", "Score: 7/10"]  # median (4 + 7) / 2 = 5.5
+    test = ["Feedback: x\nScore: 4/10", "Score: 8/10", "Score: 5/10"]    # |5.5 - s| = 1.5, 2.5, 0.5 -> 4.5 / 3
+    assert judge.constant_guess(train, test) == {"score": 5.5, "mae": 1.5}
+    m = judge.judge_metrics(["Score: 4/10", "Score: 8/10", "?"], test)  # MAE 0 on the two that parse
+    assert judge.beats_constant(m, {"score": 5.5, "mae": 1.5})
+    assert not judge.beats_constant(m, {"score": 5.5, "mae": 0.0})
+    # a score in fewer than half the answers is no judge, however small its MAE on those
+    assert not judge.beats_constant(judge.judge_metrics(["Score: 4/10", "?", "?"], test), {"score": 5.5, "mae": 1.5})
+
+
+def test_evaluation_prints_the_constant_guess_and_warns(tmp_path, capsys):
+    """Without --baseline_eval the evaluation line still names the constant guess, and a judge no better
+    than it (the untrained tiny base grades 7-10 whatever the errors) is told so, in the output and in
+    test_predictions.json."""
+    out = str(tmp_path / "eval")
+    res = judge.main([*QUICK, "--epochs", "0", "--test_samples", "6", "--max_new_tokens", "12", "--output_dir", out])
+    printed = capsys.readouterr().out
+    test_set = judge.embedded_judge_set(0)["test"][:6]
+    const = judge.constant_guess([c["messages"][-1]["content"] for c in judge.embedded_judge_set(0)["train"]],
+                                 [c["messages"][-1]["content"] for c in test_set])
+    assert res["constant_guess"] == const
+    line = next(ln for ln in printed.splitlines() if ln.startswith("judge: "))
+    assert f"a constant guess (the training median, {const['score']:g}) has MAE {const['mae']:.3f}" in line
+    assert res["test"]["mae"] > const["mae"]  # the untrained base: 7-10 for everything
+    assert "warning: the judge does no better than always answering" in printed
+    saved = json.load(open(os.path.join(out, judge.PREDICTIONS)))
+    assert saved["constant_guess"] == const and saved["beats_constant"] is False
+    assert saved["metrics"]["mae"] == res["test"]["mae"] and len(saved["predictions"]) == 6
+    assert read_metrics(out)[-2]["constant_mae"] == const["mae"]
+
+
+def test_cpu_warning_names_the_model_size(tmp_path):
+    import argparse
+    args = argparse.Namespace(model="Qwen/Qwen2-1.5B-Instruct", cache_dir=str(tmp_path))
+    assert judge.model_size_text(args) == "a 1.54B model"
+    assert judge.model_size_text(argparse.Namespace(model="someone/unknown", cache_dir=str(tmp_path))) == \
+        "a model of unknown size"
+
+
 # --- the embedded set -----------------------------------------------------------------------------
 def test_embedded_set_is_deterministic_and_right():
     a, b = judge.embedded_judge_set(0), judge.embedded_judge_set(0)
@@ -289,7 +329,7 @@ def test_fine_tuned_judge_beats_untrained(trained):
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and sorted(cfg["target_modules"]) == sorted(judge.LORA_TARGETS)
     assert cfg["base_model_name_or_path"].endswith(judge.TINY_VERSION)
-    preds = json.load(open(os.path.join(out, "test_predictions.json")))
+    preds = json.load(open(os.path.join(out, "test_predictions.json")))["predictions"]
     assert len(preds) == 24 and {"prediction", "reference", "predicted_score"} <= set(preds[0])
     records = read_metrics(out)
     assert records[0]["event"] == "start" and records[0]["seed"] == 0
