@@ -5,15 +5,17 @@
     python judge_train_mps.py --model meta-llama/Llama-3.2-1B-Instruct --epochs 1 --max_samples 50 --test_samples 20
     python judge_train_mps.py --model Qwen/Qwen2-1.5B-Instruct --estimate-memory
 
-Given a source sentence, a translation and a reference, the judge answers `Score: X/10` and then
-`Feedback: ...`. A judge is a chat model fine-tuned on conversations whose last turn is that answer;
+Given a source sentence, a translation and a reference, the judge answers `Feedback: ...` and then
+`Score: X/10`: reasoning first, verdict last, as Prometheus and JudgeLM do (written the other way
+round, a small judge learns the feedback's wording and not the score; see judge_answer). A judge is a
+chat model fine-tuned on conversations whose last turn is that answer;
 the loss falls on the answer's tokens only (the prompt is context, not something to imitate), and
 the judge is graded by decoding greedily and comparing its scores with the references' (MAE, RMSE,
 Cohen's kappa, Pearson r) and its feedback with theirs (ROUGE-L F1).
 
 The whole recipe is in this file, in the order a reader needs it:
   1. arguments, and the recipe this script picks: MPS (else the CPU), the Qwen2 / Llama 3 base
-     (lib/llama.py) frozen in fp32, fp32 arithmetic, plain AdamW at lr 1e-4, clipping at 1.0;
+     (lib/llama.py) frozen in fp32, fp32 arithmetic, plain AdamW at lr 5e-4, clipping at 1.0;
   2. the data: the embedded judge set or --data_dir, rendered with the model's chat template, the
      loss masked to the answer;
   3. the model and LoRA (lib/lora.py) on q_proj, k_proj, v_proj and o_proj, rank 16 / alpha 32 for
@@ -61,7 +63,7 @@ PREDICTIONS = "test_predictions.json"
 
 # --- 1. arguments -----------------------------------------------------------------------------------
 # The defaults that are not --model tiny's (the demo's are in resolve_defaults).
-DEFAULTS = dict(model="Qwen/Qwen2-1.5B-Instruct", lr=1e-4, batch_size=1, gradient_accumulation=2)
+DEFAULTS = dict(model="Qwen/Qwen2-1.5B-Instruct", lr=5e-4, batch_size=1, gradient_accumulation=2)
 
 
 def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
@@ -108,7 +110,7 @@ def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
     p.add_argument("--min_delta", "--min-delta", type=guards.nonneg_float, default=0.005,
                    help="improvement of the validation loss that counts for early stopping")
     p.add_argument("--max_new_tokens", "--max-new-tokens", type=guards.positive_int, default=None,
-                   help="tokens generated per test answer (default 256; 48 with --model tiny)")
+                   help="tokens generated per test answer (default 256; 96 with --model tiny)")
     p.add_argument("--baseline_eval", "--baseline-eval", action="store_true", help="also evaluate the untrained "
                    "judge (the base) on the test set first (always on with --model tiny)")
     p.add_argument("--log_interval", "--log-interval", type=guards.positive_int, default=10,
@@ -136,7 +138,7 @@ def resolve_defaults(args, defaults=DEFAULTS):
     args.batch_size = args.batch_size or (8 if tiny else defaults["batch_size"])
     args.lr = args.lr or (3e-3 if tiny else defaults["lr"])
     args.eval_steps = args.eval_steps or (50 if tiny else 100)
-    args.max_new_tokens = args.max_new_tokens or (48 if tiny else 256)
+    args.max_new_tokens = args.max_new_tokens or (96 if tiny else 256)
     args.baseline_eval = args.baseline_eval or tiny
 
 
@@ -226,8 +228,8 @@ def model_size_text(args) -> str:
 # --- 2. data: the judge set, its chat-template rendering, the loss on the answer only ---------------
 # The embedded judge set (used when --data_dir is not given) is synthetic and exactly gradable: an
 # English sentence of 10 words, its word-for-word Portuguese reference, and a candidate translation that
-# left k of the 10 words untranslated; the right answer is `Score: {10 - k}/10` with feedback naming
-# those words. (Untranslated words, rather than wrong Portuguese ones, keep the task within reach of the
+# left k of the 10 words untranslated; the right answer is feedback that goes through the translation
+# word by word, counting those words, then `Score: {10 - k}/10` (judge_answer). (Untranslated words, rather than wrong Portuguese ones, keep the task within reach of the
 # 2-layer demo model in minutes of CPU.) data/make_judge_set.py writes it out in the --data_dir format.
 EN_PT = [("the", "o"), ("a", "um"), ("cat", "gato"), ("dog", "cão"), ("house", "casa"), ("book", "livro"),
          ("water", "água"), ("bread", "pão"), ("red", "vermelho"), ("big", "grande"), ("small", "pequeno"),
@@ -250,11 +252,24 @@ def judge_example(rng: random.Random, score_fn=None) -> dict:
     wrong = sorted(rng.sample(range(SENTENCE_WORDS), k))
     candidate = [source[i] if i in wrong else reference[i] for i in range(SENTENCE_WORDS)]
     score = SENTENCE_WORDS - k if score_fn is None else score_fn(k, rng)
-    feedback = ("The translation matches the reference." if not wrong else
-                "Untranslated: " + ", ".join(candidate[i] for i in wrong) + ".")
     user = PROMPT.format(source=" ".join(source), candidate=" ".join(candidate), reference=" ".join(reference))
     return {"messages": [{"role": "user", "content": user},
-                         {"role": "assistant", "content": f"Score: {score}/10\nFeedback: {feedback}"}]}
+                         {"role": "assistant", "content": judge_answer(candidate, wrong, score)}]}
+
+
+def judge_answer(candidate: list, wrong: list, score) -> str:
+    """The reference answer: feedback first, walking the translation word by word with a running count
+    of the untranslated ones, then the score. The order is the lesson: a judge that must write its score
+    first has to count before it has looked, and learns the feedback's easy wording instead (the loss
+    falls, the scores stay wrong); written after the walk, the score is 10 minus the last count."""
+    parts, n = [], 0
+    for i, word in enumerate(candidate):
+        if i in wrong:
+            n += 1
+            parts.append(f"{word} (untranslated {n})")
+        else:
+            parts.append(f"{word} ok")
+    return f"Feedback: {', '.join(parts)}. {n} of {len(candidate)} words untranslated.\nScore: {score}/10"
 
 
 def embedded_judge_set(seed: int = 0, sizes: dict = None) -> dict:
@@ -263,9 +278,10 @@ def embedded_judge_set(seed: int = 0, sizes: dict = None) -> dict:
     return {split: [judge_example(rng) for _ in range(n)] for split, n in (sizes or SPLIT_SIZES).items()}
 
 
-# The answer format: a score out of 10, then free-text feedback.
+# The answer format: free-text feedback and a score out of 10, in either order (the embedded set puts
+# the feedback first); the score is found anywhere in the answer.
 SCORE_RE = re.compile(r"Score:\s*(\d+(?:\.\d+)?)\s*/\s*10(?!\d)", re.IGNORECASE)
-FEEDBACK_RE = re.compile(r"Feedback:\s*(.+)", re.IGNORECASE | re.DOTALL)
+FEEDBACK_RE = re.compile(r"Feedback:\s*(.+?)\s*(?:\n\s*Score:.*)?$", re.IGNORECASE | re.DOTALL)
 
 
 def parse_score(text: str):
@@ -275,7 +291,8 @@ def parse_score(text: str):
 
 
 def parse_feedback(text: str) -> str:
-    """The text after `Feedback:`, or the whole text when there is no such marker."""
+    """The text after `Feedback:` (up to a `Score:` line that follows it), or the whole text when there
+    is no such marker."""
     m = FEEDBACK_RE.search(text)
     return m.group(1).strip() if m else text.strip()
 
@@ -1050,7 +1067,7 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
 
 
 # --- the offline demo's base: --model tiny ---------------------------------------------------------------
-TINY_VERSION = "tiny-judge-v2"  # bump when the recipe below changes, so a stale cached base is rebuilt
+TINY_VERSION = "tiny-judge-v3"  # bump when the recipe below changes, so a stale cached base is rebuilt
 TINY_SHAPE = dict(model_type="qwen2", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 TINY_PRETRAIN = dict(steps=150, batch_size=16, lr=3e-3, examples=2400, seed=1234)

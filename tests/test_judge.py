@@ -25,6 +25,10 @@ def test_parse_score_and_feedback():
     assert judge.parse_score("Score: 8") is None
     assert judge.parse_feedback("Score: 3/10\nFeedback:  Wrong words: gato.\n") == "Wrong words: gato."
     assert judge.parse_feedback("no marker here ") == "no marker here"
+    # feedback first, then the score (the embedded set's order): the feedback stops at the score's line
+    answer = "Feedback: sea (untranslated 1), gato ok.\n1 of 2 words untranslated.\nScore: 9/10"
+    assert judge.parse_score(answer) == 9.0
+    assert judge.parse_feedback(answer) == "sea (untranslated 1), gato ok.\n1 of 2 words untranslated."
 
 
 def test_score_metrics_hand_computed():
@@ -124,9 +128,16 @@ def test_embedded_set_is_deterministic_and_right():
         cand, ref = lines["Translation"].split(), lines["Reference"].split()
         wrong = [c for c, r in zip(cand, ref) if c != r]
         assert judge.parse_score(answer) == 10 - len(wrong)
-        if wrong:
-            assert judge.parse_feedback(answer) == "Untranslated: " + ", ".join(wrong) + "."
-            assert all(w in lines["Source"].split() for w in wrong)
+        # feedback first: every word of the translation in order, the untranslated ones counted
+        assert answer.startswith("Feedback: ") and answer.index("Feedback:") < answer.index("Score:")
+        walk, count = judge.parse_feedback(answer).rsplit(". ", 1)
+        assert count == f"{len(wrong)} of 10 words untranslated."
+        n, expected = 0, []
+        for c, r in zip(cand, ref):
+            n += c != r
+            expected.append(f"{c} (untranslated {n})" if c != r else f"{c} ok")
+        assert walk.split(", ") == expected
+        assert all(w in lines["Source"].split() for w in wrong)
     scores = [judge.parse_score(e["messages"][1]["content"]) for e in a["train"]]
     assert set(scores) == set(range(11))
 
