@@ -50,7 +50,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from lib import chat_tokenizer, guards, llama, lora, metrics, optim, rundir
+from lib import chat_tokenizer, guards, llama, lm_loss, lora, metrics, optim, rundir
 from lib import device as devices
 from lib.checkpoint import save_json
 from lib.errors import UserError, report_and_exit
@@ -258,18 +258,20 @@ def judge_example(rng: random.Random, score_fn=None) -> dict:
 
 
 def judge_answer(candidate: list, wrong: list, score) -> str:
-    """The reference answer: feedback first, walking the translation word by word with a running count
-    of the untranslated ones, then the score. The order is the lesson: a judge that must write its score
-    first has to count before it has looked, and learns the feedback's easy wording instead (the loss
-    falls, the scores stay wrong); written after the walk, the score is 10 minus the last count."""
+    """The reference answer: feedback first, the translation word by word with the untranslated words
+    numbered as they come, then the score, e.g. `Feedback: sea (1), carro, cat (2): 2 of 3 words
+    untranslated.` and `Score: 8/10` on the next line. The order is the lesson: a judge that must write
+    its score first has to count before it has looked, and learns the feedback's easy wording instead
+    (the loss falls, the scores stay wrong: the score's digit is 4% of the answer's tokens). Written
+    after the walk, the score is 10 minus the last number, and each step of the walk is one word."""
     parts, n = [], 0
     for i, word in enumerate(candidate):
         if i in wrong:
             n += 1
-            parts.append(f"{word} (untranslated {n})")
+            parts.append(f"{word} ({n})")
         else:
-            parts.append(f"{word} ok")
-    return f"Feedback: {', '.join(parts)}. {n} of {len(candidate)} words untranslated.\nScore: {score}/10"
+            parts.append(word)
+    return f"Feedback: {', '.join(parts)}: {n} of {len(candidate)} words untranslated.\nScore: {score}/10"
 
 
 def embedded_judge_set(seed: int = 0, sizes: dict = None) -> dict:
@@ -411,10 +413,14 @@ def collate(encoded: list, pad_id: int, device=None):
 
 def answer_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the answer tokens (position t predicts token t + 1; the prompt
-    and the padding, labelled -100, count for nothing). The model computes it from its last hidden
-    states chunk by chunk (lib/lm_loss), so the [tokens, vocabulary] logits never exist at once: for
+    and the padding, labelled -100, count for nothing). The head makes logits only at the positions
+    that predict an answer token (the prompt's positions need none: on SmolLM2 that halves the head's
+    work), chunk by chunk (lib/lm_loss), so the [tokens, vocabulary] logits never exist at once: for
     2 x 512 tokens of Qwen2's 151,936-word vocabulary they would be 622 MB in fp32, before their gradient."""
-    return model(ids, labels=labels)
+    hidden = model.hidden_states(ids)
+    targets = lm_loss.shift_labels(labels)
+    answer = targets != -100  # the head's logits only where a token is learned: half the rows are prompt
+    return lm_loss.head_loss(hidden[answer], model.lm_head, targets[answer])
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list:
@@ -1067,7 +1073,7 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
 
 
 # --- the offline demo's base: --model tiny ---------------------------------------------------------------
-TINY_VERSION = "tiny-judge-v3"  # bump when the recipe below changes, so a stale cached base is rebuilt
+TINY_VERSION = "tiny-judge-v4"  # bump when the recipe below changes, so a stale cached base is rebuilt
 TINY_SHAPE = dict(model_type="qwen2", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 TINY_PRETRAIN = dict(steps=150, batch_size=16, lr=3e-3, examples=2400, seed=1234)

@@ -26,9 +26,9 @@ def test_parse_score_and_feedback():
     assert judge.parse_feedback("Score: 3/10\nFeedback:  Wrong words: gato.\n") == "Wrong words: gato."
     assert judge.parse_feedback("no marker here ") == "no marker here"
     # feedback first, then the score (the embedded set's order): the feedback stops at the score's line
-    answer = "Feedback: sea (untranslated 1), gato ok.\n1 of 2 words untranslated.\nScore: 9/10"
+    answer = "Feedback: sea (1), gato:\n1 of 2 words untranslated.\nScore: 9/10"
     assert judge.parse_score(answer) == 9.0
-    assert judge.parse_feedback(answer) == "sea (untranslated 1), gato ok.\n1 of 2 words untranslated."
+    assert judge.parse_feedback(answer) == "sea (1), gato:\n1 of 2 words untranslated."
 
 
 def test_score_metrics_hand_computed():
@@ -130,12 +130,12 @@ def test_embedded_set_is_deterministic_and_right():
         assert judge.parse_score(answer) == 10 - len(wrong)
         # feedback first: every word of the translation in order, the untranslated ones counted
         assert answer.startswith("Feedback: ") and answer.index("Feedback:") < answer.index("Score:")
-        walk, count = judge.parse_feedback(answer).rsplit(". ", 1)
+        walk, count = judge.parse_feedback(answer).rsplit(": ", 1)
         assert count == f"{len(wrong)} of 10 words untranslated."
         n, expected = 0, []
         for c, r in zip(cand, ref):
             n += c != r
-            expected.append(f"{c} (untranslated {n})" if c != r else f"{c} ok")
+            expected.append(f"{c} ({n})" if c != r else c)
         assert walk.split(", ") == expected
         assert all(w in lines["Source"].split() for w in wrong)
     scores = [judge.parse_score(e["messages"][1]["content"]) for e in a["train"]]
