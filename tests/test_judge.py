@@ -94,7 +94,7 @@ def test_evaluation_prints_the_constant_guess_and_warns(tmp_path, capsys):
     than it (the untrained tiny base grades 7-10 whatever the errors) is told so, in the output and in
     test_predictions.json."""
     out = str(tmp_path / "eval")
-    res = judge.main([*QUICK, "--epochs", "0", "--test_samples", "6", "--max_new_tokens", "12", "--output_dir", out])
+    res = judge.main([*QUICK, "--epochs", "0", "--test_samples", "6", "--output_dir", out])
     printed = capsys.readouterr().out
     test_set = judge.embedded_judge_set(0)["test"][:6]
     const = judge.constant_guess([c["messages"][-1]["content"] for c in judge.embedded_judge_set(0)["train"]],
