@@ -82,7 +82,7 @@ def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
                    help=f"micro-batches per optimizer step (default {defaults['gradient_accumulation']}; "
                    f"1 with --model tiny)")
     p.add_argument("--lr", type=guards.positive_float, default=None,
-                   help=f"peak learning rate (default {defaults['lr']:g}; 3e-3 with --model tiny, whose LoRA must "
+                   help=f"peak learning rate (default {defaults['lr']:g}; 6e-3 with --model tiny, whose LoRA must "
                    f"learn in minutes)")
     p.add_argument("--max_seq_length", "--max-seq-length", type=guards.positive_int, default=512,
                    help="tokens per conversation at most (the prompt is cut from the left)")
@@ -136,7 +136,7 @@ def resolve_defaults(args, defaults=DEFAULTS):
     args.gradient_accumulation = args.gradient_accumulation or (1 if tiny else defaults["gradient_accumulation"])
     args.epochs = (2 if tiny else 3) if args.epochs is None else args.epochs
     args.batch_size = args.batch_size or (8 if tiny else defaults["batch_size"])
-    args.lr = args.lr or (3e-3 if tiny else defaults["lr"])
+    args.lr = args.lr or (6e-3 if tiny else defaults["lr"])
     args.eval_steps = args.eval_steps or (50 if tiny else 100)
     args.max_new_tokens = args.max_new_tokens or (96 if tiny else 256)
     args.baseline_eval = args.baseline_eval or tiny

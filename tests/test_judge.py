@@ -333,8 +333,10 @@ def test_fine_tuned_judge_beats_untrained(trained):
     base, after = res["baseline"], res["test"]
     assert base["n"] == after["n"] == 24
     assert after["unparseable"] <= 1
-    # measured: 4.1 untrained (it grades 7-10 whatever the errors) -> 1.8 after 200 steps; a constant answer 2.9
+    # measured: 5.2 untrained (it grades 7-10 whatever the errors) -> 0.71 after 200 steps (r 0.96; 0.79 and
+    # r 0.89 with --seed 1); always answering the training median, 5, has MAE 2.7
     assert after["mae"] < base["mae"] - 1.0, (base["mae"], after["mae"])
+    assert after["mae"] < res["constant_guess"]["mae"] - 1.0, (after["mae"], res["constant_guess"])
     assert after["pearson_r"] > 0.5
     # the PEFT adapter, the tokenizer, the predictions and the metrics are all in --output_dir
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
