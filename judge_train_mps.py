@@ -229,7 +229,7 @@ def model_size_text(args) -> str:
 # The embedded judge set (used when --data_dir is not given) is synthetic and exactly gradable: an
 # English sentence of 10 words, its word-for-word Portuguese reference, and a candidate translation that
 # left k of the 10 words untranslated; the right answer is feedback that goes through the translation
-# word by word, counting those words, then `Score: {10 - k}/10` (judge_answer). (Untranslated words, rather than wrong Portuguese ones, keep the task within reach of the
+# word by word, counting the translated words, then `Score: {10 - k}/10` (judge_answer). (Untranslated words, rather than wrong Portuguese ones, keep the task within reach of the
 # 2-layer demo model in minutes of CPU.) data/make_judge_set.py writes it out in the --data_dir format.
 EN_PT = [("the", "o"), ("a", "um"), ("cat", "gato"), ("dog", "cão"), ("house", "casa"), ("book", "livro"),
          ("water", "água"), ("bread", "pão"), ("red", "vermelho"), ("big", "grande"), ("small", "pequeno"),
@@ -258,20 +258,21 @@ def judge_example(rng: random.Random, score_fn=None) -> dict:
 
 
 def judge_answer(candidate: list, wrong: list, score) -> str:
-    """The reference answer: feedback first, the translation word by word with the untranslated words
-    numbered as they come, then the score, e.g. `Feedback: sea (1), carro, cat (2): 2 of 3 words
-    untranslated.` and `Score: 8/10` on the next line. The order is the lesson: a judge that must write
-    its score first has to count before it has looked, and learns the feedback's easy wording instead
-    (the loss falls, the scores stay wrong: the score's digit is 4% of the answer's tokens). Written
-    after the walk, the score is 10 minus the last number, and each step of the walk is one word."""
+    """The reference answer: feedback first, the translation word by word, each translated word numbered
+    as it comes and each untranslated one marked, then the score: `Feedback: sea (English), carro (1),
+    gato (2): 2 of 3 words translated.` and `Score: 7/10` on the next line. The order is the lesson:
+    a judge that must write its score first has to count before it has looked, and learns the
+    feedback's easy wording instead (the loss falls, the scores stay wrong: the score's digit is 4% of
+    the answer's tokens). Written after the walk, each step is one word, and the score is the last
+    number again (counting the untranslated words instead would leave a subtraction, 10 - n, to learn)."""
     parts, n = [], 0
     for i, word in enumerate(candidate):
         if i in wrong:
+            parts.append(f"{word} (English)")
+        else:
             n += 1
             parts.append(f"{word} ({n})")
-        else:
-            parts.append(word)
-    return f"Feedback: {', '.join(parts)}: {n} of {len(candidate)} words untranslated.\nScore: {score}/10"
+    return f"Feedback: {', '.join(parts)}: {n} of {len(candidate)} words translated.\nScore: {score}/10"
 
 
 def embedded_judge_set(seed: int = 0, sizes: dict = None) -> dict:
@@ -1073,7 +1074,7 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
 
 
 # --- the offline demo's base: --model tiny ---------------------------------------------------------------
-TINY_VERSION = "tiny-judge-v4"  # bump when the recipe below changes, so a stale cached base is rebuilt
+TINY_VERSION = "tiny-judge-v5"  # bump when the recipe below changes, so a stale cached base is rebuilt
 TINY_SHAPE = dict(model_type="qwen2", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 TINY_PRETRAIN = dict(steps=150, batch_size=16, lr=3e-3, examples=2400, seed=1234)

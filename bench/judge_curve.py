@@ -42,6 +42,7 @@ def parse_args(argv=None):
     p.add_argument("--add-run", help="record an existing run's directory (made with the flags above) instead")
     p.add_argument("--wall-s", type=float, help="with --add-run: its wall time in seconds")
     p.add_argument("--cpu-s", type=float, help="with --add-run: its CPU time (user + sys) in seconds")
+    p.add_argument("--threads", help="with --add-run: the OMP_NUM_THREADS it ran with (default: torch's default)")
     p.add_argument("--quiet", action="store_true", help="nothing else ran on the machine (else: shared)")
     p.add_argument("--result", default=RESULT, help="the JSON to merge the points into")
     p.add_argument("--render", action="store_true", help="print the markdown table from --result and exit")
@@ -66,7 +67,6 @@ def read_point(out_dir: str) -> dict:
         "pearson_r": m["pearson_r"], "rouge_l_f1": m["rouge_l_f1"], "constant_score": const["score"],
         "constant_mae": const["mae"], "val_loss_first": vals[0] if vals else None,
         "val_loss_best": end["best_val"], "best_step": end["best_step"], "peak_memory": end["peak_memory"],
-        "threads": os.environ.get("OMP_NUM_THREADS"),
     }
 
 
@@ -81,7 +81,8 @@ def measure(model: str, n: int, out_root: str) -> dict:
     wall = time.perf_counter() - t0
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
-    return {**read_point(out), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1)}
+    return {**read_point(out), "wall_s": round(wall, 1), "cpu_s": round(cpu, 1),
+            "threads": os.environ.get("OMP_NUM_THREADS")}  # the child's torch threads (None: torch's default)
 
 
 def merge(path: str, points: list, machine: dict, model_name: str) -> dict:
@@ -104,7 +105,10 @@ def merge(path: str, points: list, machine: dict, model_name: str) -> dict:
 
 
 def minutes(seconds) -> str:
-    return "-" if seconds is None else f"{int(seconds // 60)} min {int(round(seconds % 60)):02d} s"
+    if seconds is None:
+        return "-"
+    s = int(round(seconds))
+    return f"{s // 60} min {s % 60:02d} s"
 
 
 def render(path: str = RESULT) -> str:
@@ -135,7 +139,7 @@ def main(argv=None):
         print(render(args.result))
         return
     if args.add_run:
-        point = {**read_point(args.add_run), "wall_s": args.wall_s, "cpu_s": args.cpu_s}
+        point = {**read_point(args.add_run), "wall_s": args.wall_s, "cpu_s": args.cpu_s, "threads": args.threads}
         points = [point]
     else:
         if not args.model:

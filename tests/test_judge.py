@@ -26,9 +26,9 @@ def test_parse_score_and_feedback():
     assert judge.parse_feedback("Score: 3/10\nFeedback:  Wrong words: gato.\n") == "Wrong words: gato."
     assert judge.parse_feedback("no marker here ") == "no marker here"
     # feedback first, then the score (the embedded set's order): the feedback stops at the score's line
-    answer = "Feedback: sea (1), gato:\n1 of 2 words untranslated.\nScore: 9/10"
-    assert judge.parse_score(answer) == 9.0
-    assert judge.parse_feedback(answer) == "sea (1), gato:\n1 of 2 words untranslated."
+    answer = "Feedback: sea (English), gato (1):\n1 of 2 words translated.\nScore: 5/10"
+    assert judge.parse_score(answer) == 5.0
+    assert judge.parse_feedback(answer) == "sea (English), gato (1):\n1 of 2 words translated."
 
 
 def test_score_metrics_hand_computed():
@@ -131,11 +131,11 @@ def test_embedded_set_is_deterministic_and_right():
         # feedback first: every word of the translation in order, the untranslated ones counted
         assert answer.startswith("Feedback: ") and answer.index("Feedback:") < answer.index("Score:")
         walk, count = judge.parse_feedback(answer).rsplit(": ", 1)
-        assert count == f"{len(wrong)} of 10 words untranslated."
+        assert count == f"{10 - len(wrong)} of 10 words translated."  # the score, written once more
         n, expected = 0, []
         for c, r in zip(cand, ref):
-            n += c != r
-            expected.append(f"{c} ({n})" if c != r else c)
+            n += c == r
+            expected.append(f"{c} ({n})" if c == r else f"{c} (English)")
         assert walk.split(", ") == expected
         assert all(w in lines["Source"].split() for w in wrong)
     scores = [judge.parse_score(e["messages"][1]["content"]) for e in a["train"]]
@@ -333,8 +333,8 @@ def test_fine_tuned_judge_beats_untrained(trained):
     base, after = res["baseline"], res["test"]
     assert base["n"] == after["n"] == 24
     assert after["unparseable"] <= 1
-    # measured: 5.2 untrained (it grades 7-10 whatever the errors) -> 0.71 after 200 steps (r 0.96; 0.79 and
-    # r 0.89 with --seed 1); always answering the training median, 5, has MAE 2.7
+    # measured: 5.9 untrained (it grades 7-10 whatever the errors) -> 1.04 after 200 steps (r 0.95); always
+    # answering the training median, 5, has MAE 2.7
     assert after["mae"] < base["mae"] - 1.0, (base["mae"], after["mae"])
     assert after["mae"] < res["constant_guess"]["mae"] - 1.0, (after["mae"], res["constant_guess"])
     assert after["pearson_r"] > 0.5
@@ -365,6 +365,27 @@ def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
     back = judge.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
                                  str(tmp_path / "mps_eval"), "--test_samples", "8", "--max_new_tokens", "12"])
     assert back["test"]["n"] == 8
+
+
+def test_learning_curve_reads_a_run_and_renders(trained, tmp_path):
+    """bench/judge_curve.py reads a point back from a run's own files and renders the docs' table."""
+    from bench import judge_curve
+    out, res = trained
+    point = judge_curve.read_point(out)
+    assert point["n_train"] == 800 and point["optimizer_steps"] == 200 and point["n_test"] == 24
+    assert point["mae"] == res["test"]["mae"] and point["pearson_r"] == res["test"]["pearson_r"]
+    assert point["constant_mae"] == res["constant_guess"]["mae"] and point["val_loss_best"] == res["best_val"]
+    path = str(tmp_path / "curve.json")
+    machine = {"cpu": "a CPU", "cores": 2, "gpu": None, "torch": "2.x", "date": "2026-01-01", "quiet": False}
+    judge_curve.merge(path, [{**point, "wall_s": 119.5, "cpu_s": 59.4}], machine, "tiny")
+    judge_curve.merge(path, [{**point, "n_train": 100, "wall_s": None, "cpu_s": None}], machine, "tiny")
+    table = judge_curve.render(path)
+    rows = [line for line in table.splitlines() if line.startswith("| 1") or line.startswith("| 8")]
+    assert rows[0].startswith("| 100 | 200 |") and rows[0].endswith("| - (-) |")  # sorted by size
+    assert rows[1] == (f"| 800 | 200 | {point['mae']:.2f} | {point['constant_mae']:.2f} | {point['pearson_r']:.2f} | "
+                       f"{point['cohen_kappa']:.2f} | {point['unparseable']}/24 | 2 min 00 s (0 min 59 s) |")
+    assert "Not measured yet: 300, 600, 1,200 conversations" in table
+    assert table.endswith("shared machine (times are rough). torch threads: default.")
 
 
 def write_judge_dir(directory, seed=0, sizes=None):
