@@ -96,7 +96,7 @@ def merge(path: str, points: list, machine: dict, model_name: str) -> dict:
     report["points"].sort(key=lambda q: q["n_train"])
     report.update(model=model_name, planned=list(SIZES), machine=machine,
                   command=f"judge_train_mps.py --model DIR --max_samples N --epochs {EPOCHS} --test_samples "
-                          f"{TEST_SAMPLES} (other flags at their defaults)")
+                          f"{TEST_SAMPLES}")
     os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1)
@@ -124,12 +124,13 @@ def render(path: str = RESULT) -> str:
                     f"{minutes(p.get('wall_s'))} ({minutes(p.get('cpu_s'))}) |")
     done = {p["n_train"] for p in report["points"]}
     missing = [n for n in report["planned"] if n not in done]
-    lines = [f"{report['model']}, `{report['command']}`, on the CPU; each row one run.", "", *rows, ""]
+    lines = [f"{report['model']}, `{report['command']}` (every other flag at its default), on the CPU; "
+             f"each row one run.", "", *rows, ""]
     if missing:
         lines += [f"Not measured yet: {', '.join(f'{n:,}' for n in missing)} conversations "
                   f"(`python bench/judge_curve.py --model DIR --sizes {' '.join(map(str, missing))}`).", ""]
-    threads = sorted({str(p.get("threads") or "default") for p in report["points"]})
-    lines.append(f"{caption(report['machine'])} torch threads: {', '.join(threads)}.")
+    threads = sorted({str(p.get("threads") or "torch's default") for p in report["points"]})
+    lines.append(f"{caption(report['machine'])} OMP_NUM_THREADS: {', '.join(threads)}.")
     return "\n".join(lines)
 
 
