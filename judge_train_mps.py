@@ -216,7 +216,7 @@ def recipe_for(args) -> Recipe:
 
 
 def model_size_text(args) -> str:
-    """'a 135M model', 'a 1.544B model': the size from config.json (a local directory, a cached
+    """'a 135M model', 'a 1.54B model': the size from config.json (a local directory, a cached
     download, or the built-in copy for the named models); 'a model of unknown size' otherwise."""
     try:
         n = count_params(llama.config_for_estimate(args.model, args.cache_dir))
@@ -229,8 +229,9 @@ def model_size_text(args) -> str:
 # The embedded judge set (used when --data_dir is not given) is synthetic and exactly gradable: an
 # English sentence of 10 words, its word-for-word Portuguese reference, and a candidate translation that
 # left k of the 10 words untranslated; the right answer is feedback that goes through the translation
-# word by word, counting the translated words, then `Score: {10 - k}/10` (judge_answer). (Untranslated words, rather than wrong Portuguese ones, keep the task within reach of the
-# 2-layer demo model in minutes of CPU.) data/make_judge_set.py writes it out in the --data_dir format.
+# word by word, counting the translated words, then `Score: {10 - k}/10` (judge_answer). (Untranslated
+# words, rather than wrong Portuguese ones, keep the task within reach of the 2-layer demo model in
+# minutes of CPU.) data/make_judge_set.py writes it out in the --data_dir format.
 EN_PT = [("the", "o"), ("a", "um"), ("cat", "gato"), ("dog", "cão"), ("house", "casa"), ("book", "livro"),
          ("water", "água"), ("bread", "pão"), ("red", "vermelho"), ("big", "grande"), ("small", "pequeno"),
          ("eats", "come"), ("sees", "vê"), ("has", "tem"), ("and", "e"), ("with", "com"), ("in", "em"),
@@ -260,7 +261,7 @@ def judge_example(rng: random.Random, score_fn=None) -> dict:
 def judge_answer(candidate: list, wrong: list, score) -> str:
     """The reference answer: feedback first, the translation word by word, each translated word numbered
     as it comes and each untranslated one marked, then the score: `Feedback: sea (English), carro (1),
-    gato (2): 2 of 3 words translated.` and `Score: 7/10` on the next line. The order is the lesson:
+    ..., has (English): 2 of 10 words translated.` and `Score: 2/10` on the next line. The order is the lesson:
     a judge that must write its score first has to count before it has looked, and learns the
     feedback's easy wording instead (the loss falls, the scores stay wrong: the score's digit is 4% of
     the answer's tokens). Written after the walk, each step is one word, and the score is the last
