@@ -3,8 +3,10 @@
 Used by train.py, train_fsdp.py and the fine-tuning scripts. The one idea: a checkpoint is two
 things with different audiences. config.json + model.safetensors (transformers' names and layouts)
 is the model, which anyone can load; training_state.pt (optimizer moments, step, RNG states) is
-only for --resume. Every file is written to a temporary name and renamed into place, so a crash or
-Ctrl-C mid-write never leaves a torn checkpoint where the last good one used to be.
+only for --resume. Every file is written to a temporary name, flushed to disk and renamed into place,
+so a crash mid-write never leaves a torn file. A torn *checkpoint* (the weights of one step beside the
+training state of another, when a crash falls between two renames) is a different matter: a save is made
+whole by one commit point, lib/rundir.commit (docs/crash_safe_checkpoints.md).
 """
 
 import json
@@ -22,14 +24,56 @@ WEIGHTS = "model.safetensors"
 STATE = "training_state.pt"
 
 
+# Fault injection, for tests/test_faults.py and bench/faults.py: every write and rename of a save calls
+# fault_point(what) first. With BYHAND_CRASH_AT=K in the environment, the K-th call in this process (of the
+# rank BYHAND_CRASH_RANK, default 0) ends the process on the spot with os._exit, as SIGKILL would: no
+# finally, no atexit, no flush. BYHAND_FAULT_LOG=FILE appends each point's name to FILE, to list them.
+# Without either variable, fault_point costs one dictionary lookup.
+CRASH_AT, FAULT_LOG = "BYHAND_CRASH_AT", "BYHAND_FAULT_LOG"
+_faults_seen = [0]
+
+
+def fault_point(what: str):
+    if CRASH_AT not in os.environ and FAULT_LOG not in os.environ:
+        return
+    if os.environ.get("RANK", "0") != os.environ.get("BYHAND_CRASH_RANK", "0"):
+        return
+    _faults_seen[0] += 1
+    if os.environ.get(FAULT_LOG):
+        with open(os.environ[FAULT_LOG], "a") as f:
+            f.write(f"{_faults_seen[0]}\t{what}\n")
+    if os.environ.get(CRASH_AT) == str(_faults_seen[0]):
+        os._exit(137)  # 128 + SIGKILL, the status a killed process reports
+
+
+def fsync(path: str):
+    """Ask the OS to put path (a file or a directory) on the disk now. A process killed outright loses
+    nothing the kernel already has; a machine that loses power loses what is not on the disk yet, and
+    a rename can reach the disk before the bytes it names unless they were synced first."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a directory; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: str, write):
-    """Call write(tmp_path), then rename tmp_path over path (atomic on POSIX and Windows)."""
+    """Call write(tmp_path), sync it, then rename tmp_path over path (atomic on POSIX and Windows).
+
+    The file at path is always either the old one, whole, or the new one, whole. A rename replaces the
+    name, not the bytes: whoever still holds the old file (a hard link in a committed checkpoint,
+    lib/rundir.commit) keeps it unchanged."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
+        fault_point(f"write {os.path.basename(path)}")
         write(tmp)
+        fsync(tmp)
         # Some writers (safetensors) create their file as 0600; give it the mode open() would: 0666 - umask.
         os.chmod(tmp, 0o666 & ~current_umask())
+        fault_point(f"rename {os.path.basename(path)}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -72,23 +72,35 @@ def cleanup(info: DistInfo, wait: bool = True):
         dist.destroy_process_group()
 
 
+# The signal that asked this process to stop: SIGINT (Ctrl-C) or SIGTERM (a scheduler), once one has.
+# lib/rundir.save_on_interrupt reads it for the exit code: 130 or 143.
+STOP = {"signal": None}
+
+
 def catch_ctrl_c(info: DistInfo) -> dict:
-    """Under torchrun, make Ctrl-C a request that the ranks agree on (see stop_requested), not an
-    exception that strikes each rank at a different point (one inside an all-reduce the others never
-    reach). The terminal's SIGINT and the copy torchrun forwards both only set the flag. A single
-    process keeps Python's KeyboardInterrupt, which stops it at once."""
-    flag = {"requested": False}
+    """Under torchrun, make Ctrl-C and SIGTERM a request that the ranks agree on (see stop_requested), not
+    an exception that strikes each rank at a different point (one inside an all-reduce the others never
+    reach). The terminal's SIGINT, the copy torchrun forwards, and a scheduler's SIGTERM (to every rank,
+    or forwarded by torchrun) only set the flag. A single process keeps Python's KeyboardInterrupt, and
+    lib/rundir.catch_sigterm's Terminated, which stop it at once."""
+    flag = {"requested": 0}
     if info.enabled:
-        signal.signal(signal.SIGINT, lambda *_: flag.update(requested=True))
+        def request(signum, frame):
+            flag["requested"] = max(flag["requested"], signum)  # SIGTERM (15) outranks SIGINT (2)
+        signal.signal(signal.SIGINT, request)
+        signal.signal(signal.SIGTERM, request)
     return flag
 
 
 def stop_requested(flag: dict, info: DistInfo, device) -> bool:
-    """True on every rank once any rank saw Ctrl-C: one tiny all-reduce per step, only under torchrun."""
+    """True on every rank once any rank saw Ctrl-C or SIGTERM: one tiny all-reduce per step, only under
+    torchrun. The ranks agree on the signal too (the largest number: SIGTERM), so all exit with one code."""
     if not info.enabled:
         return False
     t = torch.tensor(float(flag["requested"]), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t.item():
+        STOP["signal"] = int(t.item())
     return bool(t.item())
 
 
