@@ -11,6 +11,7 @@ whole by one commit point, lib/rundir.commit (docs/crash_safe_checkpoints.md).
 
 import json
 import os
+import signal
 
 import torch
 from safetensors import SafetensorError
@@ -25,10 +26,13 @@ STATE = "training_state.pt"
 
 
 # Fault injection, for tests/test_faults.py and bench/faults.py: every write and rename of a save calls
-# fault_point(what) first. With BYHAND_CRASH_AT=K in the environment, the K-th call in this process (of the
-# rank BYHAND_CRASH_RANK, default 0) ends the process on the spot with os._exit, as SIGKILL would: no
-# finally, no atexit, no flush. BYHAND_FAULT_LOG=FILE appends each point's name to FILE, to list them.
-# Without either variable, fault_point costs one dictionary lookup.
+# fault_point(what) first ("write model.safetensors", "rename training_state.pt", "commit step-000004"...).
+# BYHAND_CRASH_AT=P in the environment kills this process with SIGKILL at the point P: the P-th point
+# when P is a number, else the first point whose name starts with P; nothing runs after it (no finally, no
+# atexit, no flush), as when a machine's OOM killer or a scheduler strikes. Under torchrun P may be a
+# comma-separated list, one entry per launch (TORCHELASTIC_RESTART_COUNT picks it; an empty one: no
+# crash), and only the rank BYHAND_CRASH_RANK (default 0) crashes. BYHAND_FAULT_LOG=FILE appends each
+# point's name to FILE, to list them. Without either variable fault_point costs two lookups.
 CRASH_AT, FAULT_LOG = "BYHAND_CRASH_AT", "BYHAND_FAULT_LOG"
 _faults_seen = [0]
 
@@ -42,8 +46,11 @@ def fault_point(what: str):
     if os.environ.get(FAULT_LOG):
         with open(os.environ[FAULT_LOG], "a") as f:
             f.write(f"{_faults_seen[0]}\t{what}\n")
-    if os.environ.get(CRASH_AT) == str(_faults_seen[0]):
-        os._exit(137)  # 128 + SIGKILL, the status a killed process reports
+    plan = os.environ.get(CRASH_AT, "").split(",")
+    launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    want = plan[launch] if launch < len(plan) else ""
+    if want and (want == str(_faults_seen[0]) if want.isdigit() else what.startswith(want)):
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def fsync(path: str):

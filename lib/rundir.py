@@ -276,8 +276,10 @@ def restore_top(out_dir: str, folder: str, spec: Spec):
                         with contextlib.suppress(FileNotFoundError):
                             os.remove(os.path.join(root, name))
                 for name in dirs:
-                    with contextlib.suppress(OSError):
-                        os.rmdir(os.path.join(root, name))  # only when empty
+                    rel = os.path.relpath(os.path.join(root, name), out_dir)
+                    if not any(k.startswith(rel + os.sep) for k in keep):
+                        with contextlib.suppress(OSError):
+                            os.rmdir(os.path.join(root, name))  # only when empty
 
 
 def check_file(path: str, check) -> None:
