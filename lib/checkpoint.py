@@ -25,14 +25,13 @@ WEIGHTS = "model.safetensors"
 STATE = "training_state.pt"
 
 
-# Fault injection, for tests/test_faults.py and bench/faults.py: every write and rename of a save calls
-# fault_point(what) first ("write model.safetensors", "rename training_state.pt", "commit step-000004"...).
-# BYHAND_CRASH_AT=P in the environment kills this process with SIGKILL at the point P: the P-th point
-# when P is a number, else the first point whose name starts with P; nothing runs after it (no finally, no
-# atexit, no flush), as when a machine's OOM killer or a scheduler strikes. Under torchrun P may be a
-# comma-separated list, one entry per launch (TORCHELASTIC_RESTART_COUNT picks it; an empty one: no
-# crash), and only the rank BYHAND_CRASH_RANK (default 0) crashes. BYHAND_FAULT_LOG=FILE appends each
-# point's name to FILE, to list them. Without either variable fault_point costs two lookups.
+# Fault injection, for tests/test_faults.py: every write and rename of a save calls fault_point(what)
+# first ("write model.safetensors", "rename training_state.pt", "commit step-000004"...). BYHAND_CRASH_AT=P
+# in the environment kills this process with SIGKILL at the point P: the P-th point when P is a number,
+# else the first point whose name starts with P. Nothing runs after it (no finally, no atexit, no flush),
+# as when the OOM killer or a scheduler strikes. Under torchrun only the rank BYHAND_CRASH_RANK (default
+# 0) is killed. BYHAND_FAULT_LOG=FILE appends each point's name to FILE, to list them. Without either
+# variable fault_point costs two dictionary lookups.
 CRASH_AT, FAULT_LOG = "BYHAND_CRASH_AT", "BYHAND_FAULT_LOG"
 _faults_seen = [0]
 
@@ -46,9 +45,7 @@ def fault_point(what: str):
     if os.environ.get(FAULT_LOG):
         with open(os.environ[FAULT_LOG], "a") as f:
             f.write(f"{_faults_seen[0]}\t{what}\n")
-    plan = os.environ.get(CRASH_AT, "").split(",")
-    launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-    want = plan[launch] if launch < len(plan) else ""
+    want = os.environ.get(CRASH_AT, "")
     if want and (want == str(_faults_seen[0]) if want.isdigit() else what.startswith(want)):
         os.kill(os.getpid(), signal.SIGKILL)
 

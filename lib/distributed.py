@@ -5,6 +5,7 @@ one process per device and tells each its RANK, LOCAL_RANK and WORLD_SIZE throug
 variables; a script started with plain `python` sees none of them and runs as rank 0 of 1.
 """
 
+import datetime
 import os
 import signal
 import sys
@@ -36,8 +37,25 @@ def setup(device_type: str) -> DistInfo:
     info = DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     if device_type == "cuda":
         torch.cuda.set_device(info.local_rank)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **restart_store(info))
     return info
+
+
+def restart_store(info: DistInfo) -> dict:
+    """After torchrun --max-restarts starts the group again, a store of the new launch's own.
+
+    torchrun's agent keeps one key-value store for the whole job, and the ranks of every launch find
+    each other through it. The first launch's keys are still there when the second launch starts, and
+    (in torch 2.13 at least) the new ranks read the dead ranks' addresses from them and wait forever in
+    init_process_group. Prefixing every key with the launch's number (TORCHELASTIC_RESTART_COUNT) gives
+    each launch a clean namespace. The first launch, or a plain `python` run, uses torch's default."""
+    launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if not launch or "MASTER_ADDR" not in os.environ:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"byhand/launch-{launch}", store), "rank": info.rank,
+            "world_size": info.world_size}
 
 
 def device_for(info: DistInfo, device: torch.device) -> torch.device:

@@ -1,6 +1,7 @@
 """Kill a training script again and again in one output directory, and let --auto-resume carry it on.
 
     python tests/crash_chain.py SCRIPT OUT_FLAG REF OUT PLAN -- ARGV...
+    torchrun --max-restarts N ... tests/crash_chain.py --torchrun SCRIPT PLAN -- ARGV...
 
 Used by tests/test_faults.py (not a test itself). First SCRIPT runs once, unbroken, into REF. Then it runs
 into OUT once per entry of PLAN (comma-separated), always with --auto-resume, as torchrun --max-restarts or
@@ -11,7 +12,12 @@ a requeued job would start it, and each of these runs is cut short:
 A last run without a fault finishes the run. One JSON line reports each run's exit status (-9: killed by
 SIGKILL, 143: SIGTERM handled, 0: finished).
 
-Every run is a new process, forked from this one after SCRIPT is imported, so that a chain of a dozen
+Under torchrun (--torchrun), torchrun's own restarts make the chain: each launch of the group takes the
+entry of PLAN numbered by TORCHELASTIC_RESTART_COUNT: TERM@N (every rank gets SIGTERM after N updates),
+KILL@N:R (rank R is killed with SIGKILL after N updates), a fault point (rank 0 is killed there), or
+nothing (an empty entry, or past the end of PLAN).
+
+Outside torchrun, every run is a new process, forked from this one after SCRIPT is imported, so that a chain of a dozen
 crashes costs a dozen tiny runs, not a dozen Python and torch start-ups. This process itself never
 computes anything (a fork after OpenMP has started its threads would not be safe).
 """
@@ -28,23 +34,32 @@ sys.path.insert(0, ROOT)
 os.chdir(ROOT)
 
 
+def arm(fault, rank=0):
+    """Make rundir.Updates.record (called after every optimizer update) send the signal of fault."""
+    from lib import rundir
+
+    what, _, where = fault.partition("@")
+    stop_at, _, who = where.partition(":")
+    if what not in ("TERM", "KILL") or (who and int(who) != rank):
+        return
+    real = rundir.Updates.record
+
+    def record(self, step, skipped):
+        real(self, step, skipped)
+        if step + 1 == int(stop_at):
+            os.kill(os.getpid(), signal.SIGTERM if what == "TERM" else signal.SIGKILL)
+
+    rundir.Updates.record = record
+
+
 def run_once(module, argv, fault):
     """Fork; the child runs module.main(argv) with the fault armed. Returns the child's exit status."""
     pid = os.fork()
     if pid == 0:
         code = 0
         try:
-            if fault and fault.startswith("TERM@"):
-                from lib import rundir
-
-                stop_at, real = int(fault[5:]), rundir.Updates.record
-
-                def record(self, step, skipped):
-                    real(self, step, skipped)
-                    if step + 1 == stop_at:
-                        os.kill(os.getpid(), signal.SIGTERM)
-
-                rundir.Updates.record = record
+            if fault and "@" in fault:
+                arm(fault)
             elif fault:
                 os.environ["BYHAND_CRASH_AT"] = fault
             module.main(argv)
@@ -61,6 +76,17 @@ def run_once(module, argv, fault):
 
 
 def main():
+    if sys.argv[1] == "--torchrun":
+        script, plan = sys.argv[2:4]
+        entries = plan.split(",")
+        launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        fault = entries[launch] if launch < len(entries) else ""
+        if "@" in fault:
+            arm(fault, int(os.environ["RANK"]))
+        elif fault:
+            os.environ["BYHAND_CRASH_AT"] = fault  # lib/checkpoint.fault_point kills rank 0 there
+        importlib.import_module(script).main(sys.argv[sys.argv.index("--") + 1:])
+        return
     script, out_flag, ref, out, plan = sys.argv[1:6]
     argv = sys.argv[sys.argv.index("--") + 1:]
     module = importlib.import_module(script)
