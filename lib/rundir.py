@@ -489,6 +489,16 @@ def commit(run: Run, args, step: int):
     for left in os.listdir(root):  # staging folders of saves cut short
         if left.startswith(".") and ".tmp-" in left and left != os.path.basename(staging):
             shutil.rmtree(os.path.join(root, left), ignore_errors=True)
+    # The temporary files of writes cut short (NAME.tmp-PID, lib.checkpoint.atomic_write), beside the files a
+    # checkpoint takes: disk use stays bounded however many crashes a run goes through.
+    folders = {run.out_dir} | {os.path.dirname(os.path.join(run.out_dir, rel)) for rel in files_under(
+        os.path.join(root, name), run.spec.checkpoint or tuple(run.spec.saved))}
+    for folder in folders:
+        for left in os.listdir(folder):
+            pid = left.rpartition(".tmp-")[2]
+            if pid.isdigit() and int(pid) != os.getpid() and os.path.isfile(os.path.join(folder, left)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, left))
 
 
 # --- 4. Ctrl-C and SIGTERM ------------------------------------------------------------------------------
