@@ -28,7 +28,7 @@ import torch
 from safetensors.torch import load_file
 
 from tests.conftest import ROOT, TINY, read_metrics, torchrun
-from tests.test_run_contract import CASES, run_script, snapshot
+from tests.test_run_contract import CASES, snapshot
 
 # Dropout on, so that a resume that did not restore the random state would differ.
 GPT = [*TINY, "--steps", "4", "--eval-interval", "100", "--dropout", "0.1"]
@@ -154,50 +154,52 @@ def test_torchrun_restarts_with_auto_resume(name, text_dir, tmp_path):
 
 
 # --- --auto-resume, --keep-last, a damaged checkpoint (in-process, train.py) --------------------------------------
-def train(out, *extra, data):
-    code, _ = run_script(CASES["train"], out, *GPT[GPT.index("--steps") + 2:], *extra, data_flags=["--data", data])
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # rundir.begin's handler stays behind in this process
-    return code
+def train(out, *argv):
+    """train.main in this process; returns its exit code (0 when it returned)."""
+    import train as script
 
-
-def tiny(*extra):
-    return [*TINY, *extra]
+    try:
+        script.main([*argv, "--out-dir", str(out)])
+        return 0
+    except SystemExit as e:
+        return e.code
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # rundir.begin's handler would stay behind in pytest
 
 
 def test_auto_resume_starts_continues_finishes_and_refuses(text_dir, tmp_path, capsys):
     out = tmp_path / "run"
-    argv = ["--steps", "3", "--save-interval", "1", "--keep-last", "2"]
-    assert run_script(CASES["train"], out, *tiny(*argv, "--auto-resume"), data_flags=["--data", text_dir])[0] == 0
+    assert train(out, *TINY, "--steps", "3", "--save-interval", "1", "--keep-last", "2", "--data", text_dir,
+                 "--auto-resume") == 0
     assert "holds no saved run; starting a new one" in capsys.readouterr().out
     assert sorted(os.listdir(out / "checkpoints")) == ["step-000002", "step-000003"]  # --keep-last 2
     # Finished: says so, exits 0.
-    assert run_script(CASES["train"], out, "--auto-resume", data_flags=())[0] == 0
+    assert train(out, "--auto-resume") == 0
     said = capsys.readouterr().out
     assert "continuing the run saved" in said and "already ran its --steps 3" in said
     # Contradicting flags: one line, exit 2, nothing changed; --overwrite with it is refused too.
     before = snapshot(out)
-    for bad in (["--n-embd", "32", "--n-head", "2"], ["--seed", "7"], ["--overwrite"]):
-        code, _ = run_script(CASES["train"], out, "--auto-resume", *bad, data_flags=())
+    for bad in (["--n-embd", "32"], ["--seed", "7"], ["--overwrite"]):
+        assert train(out, "--auto-resume", *bad) == 2, bad
         err = capsys.readouterr().err.strip().splitlines()
-        assert code == 2 and len(err) == 1 and err[0].startswith("error: "), (bad, err)
+        assert len(err) == 1 and err[0].startswith("error: "), (bad, err)
         assert snapshot(out) == before, bad
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
 
 
 def test_a_damaged_newest_checkpoint_is_skipped_for_the_previous_one(text_dir, tmp_path, capsys):
     """Two checkpoints kept; the newest one's training state torn. --resume says so in one line, resumes the
     previous one (and puts its files back at the top of OUT), and reaches the unbroken run's weights."""
-    flags = tiny("--steps", "4", "--save-interval", "1", "--keep-last", "2", "--dropout", "0.1")
+    flags = [*TINY, "--steps", "4", "--save-interval", "1", "--keep-last", "2", "--dropout", "0.1", "--data", text_dir]
     for out in (tmp_path / "unbroken", tmp_path / "run"):
-        assert run_script(CASES["train"], out, *flags, data_flags=["--data", text_dir])[0] == 0
+        assert train(out, *flags) == 0
     newest = tmp_path / "run" / "checkpoints" / "step-000004" / "training_state.pt"
     whole = newest.read_bytes()
     os.remove(newest)  # not in place: the top of OUT keeps its own (linked) copy whole...
     newest.write_bytes(whole[: len(whole) // 3])
     os.remove(tmp_path / "run" / "model.safetensors")  # ...and the top is missing a file
     capsys.readouterr()
-    assert run_script(CASES["train"], tmp_path / "run", "--resume", "--steps", "4", data_flags=())[0] == 0
+    assert train(tmp_path / "run", "--resume") == 0
     said = capsys.readouterr().out
     assert said.count("skipping the checkpoint") == 1 and "step-000004" in said and "resuming from step 3" in said
     assert_same_weights(tmp_path / "run", tmp_path / "unbroken", ["model.safetensors"])
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
