@@ -151,7 +151,7 @@ def prepare(args, parser, argv, spec: Spec, log=print, writes: bool = True) -> R
         return Run(out_dir, spec)
     if not resume:
         if holds_saved_run(out_dir, spec) and not overwrite:
-            found = [name for name in (CHECKPOINTS, *spec.saved) if os.path.exists(os.path.join(out_dir, name))]
+            found = [name for name in spec.saved if os.path.exists(os.path.join(out_dir, name))] or [CHECKPOINTS]
             raise UserError(f"{out_dir} already holds a saved run ({', '.join(found)}); pass --resume (or "
                             f"--auto-resume) to continue it, --overwrite to replace it, or another {spec.out_flag}")
         if writes:
