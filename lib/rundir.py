@@ -534,6 +534,7 @@ def save_on_interrupt(save: Callable, step: int, out_dir: str, is_main: bool = T
         print(f"\n{what}: {where}; continue with --resume (or --auto-resume)", file=sys.stderr, flush=True)
     if cleanup is not None:
         cleanup()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the save is done: a late SIGTERM may end the process now
     sys.stdout.flush()
     sys.exit(143 if terminated else 130)
 
