@@ -28,6 +28,8 @@ def parser():
     p.add_argument("--out-dir")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--auto-resume", action="store_true")
+    p.add_argument("--keep-last", type=int, default=1)
     return p
 
 
@@ -192,3 +194,34 @@ def test_fingerprint_of_a_directory_covers_names_and_bytes(tmp_path):
     (a / "x.txt").rename(a / "y.txt")
     assert rundir.fingerprint(str(a)) != first
     assert rundir.fingerprint("stdlib") is None
+
+
+def test_auto_resume_starts_continues_and_never_takes_an_uncommitted_save(saved, tmp_path):
+    out, data = saved
+    run, args, messages = prepare(["--out-dir", str(out), "--auto-resume"])
+    assert run.resumed and args.resume and args.width == 16 and "continuing the run saved" in messages[0]
+    with pytest.raises(UserError, match="--auto-resume continues .* --overwrite replaces it"):
+        prepare(["--out-dir", str(out), "--auto-resume", "--overwrite"])
+    with pytest.raises(UserError, match="--width 32 contradicts the saved run"):
+        prepare(["--out-dir", str(out), "--auto-resume", "--width", "32"])
+    # A first save cut short: files at the top, nothing committed. Not a saved run: a new one replaces them.
+    fresh = tmp_path / "fresh"
+    run, args, messages = prepare(["--out-dir", str(fresh), "--train-file", str(data), "--auto-resume"])
+    assert not run.resumed and "holds no saved run; starting a new one" in messages[0]
+    rundir.begin(run, args)
+    save_file({"w": torch.ones(2)}, str(fresh / "model.safetensors"), metadata={"step": "1"})
+    run, args, messages = prepare(["--out-dir", str(fresh), "--train-file", str(data), "--auto-resume"])
+    assert not run.resumed
+    rundir.begin(run, args)
+    assert os.listdir(fresh) == ["checkpoints"]  # the uncommitted weights are gone
+
+
+def test_commit_keeps_the_newest_and_a_second_save_of_a_step_is_newer(saved):
+    out, data = saved
+    run = rundir.Run(str(out), SPEC)
+    for step, keep in ((4, 2), (4, 2), (5, 1)):
+        rundir.commit(run, argparse.Namespace(keep_last=keep), step)
+    assert os.listdir(out / "checkpoints") == ["step-000005"]
+    assert os.path.samefile(out / "checkpoints" / "step-000005" / "model.safetensors", out / "model.safetensors")
+    rundir.commit(run, argparse.Namespace(keep_last=2), 5)
+    assert [os.path.basename(p) for p in rundir.committed(str(out))] == ["step-000005.2", "step-000005"]
