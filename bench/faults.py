@@ -174,6 +174,32 @@ def restart(tree, data, work):
             "error": error[error.index("error: "):].replace(work, "X") if error else None}
 
 
+def window(tree, data, work, steps):
+    """SIGKILL in the window between two renames: the second save's weights already renamed into place, its
+    training state still being written (its temporary file has appeared). Then resume, as in kills()."""
+    argv = [*BIG, "--steps", str(steps), "--save-interval", "1", "--data", data]
+    out = os.path.join(work, "window")
+    with open(out + ".log", "w") as log:
+        proc = run_train(tree, [*argv, "--out-dir", out], log)
+        while updates_done(out) < 2 and proc.poll() is None:  # the first save (step 1) is done
+            time.sleep(0.01)
+        while not glob.glob(os.path.join(out, "training_state.pt.tmp-*")) and proc.poll() is None:
+            time.sleep(0.002)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    done = updates_done(out)
+    resume = subprocess.run([sys.executable, os.path.join(tree, "train.py"), "--out-dir", out, resume_flag(tree)],
+                            cwd=tree, env=env(), capture_output=True, text=True)
+    said = resume.stdout + resume.stderr
+    found = re.search(r"resuming from step (\d+)", said)
+    error = next((line for line in said.splitlines() if line.startswith("error: ")), None)
+    start = int(found.group(1)) if found and resume.returncode == 0 else None
+    shutil.rmtree(out, ignore_errors=True)
+    return {"updates_done": done, "resumed_from": start, "resume_exit": resume.returncode,
+            "steps_lost": done if start is None else done - start,
+            "error": error.replace(work, "OUT") if error else None}
+
+
 SAVE_COST = r"""
 import argparse, json, os, sys, time, torch
 sys.path.insert(0, os.getcwd())
@@ -228,6 +254,18 @@ def measure(tree, data, trials, steps, seed):
         shutil.rmtree(work, ignore_errors=True)
 
 
+def default_data():
+    """A copy of the stdlib's json and email packages, about 400 KB of text."""
+    import sysconfig
+
+    data = tempfile.mkdtemp(prefix="byhand-faults-data-")
+    for pkg in ("json", "email"):
+        for name in sorted(os.listdir(os.path.join(sysconfig.get_paths()["stdlib"], pkg))):
+            if name.endswith(".py"):
+                shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], pkg, name), os.path.join(data, f"{pkg}_{name}"))
+    return data
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=8, help="SIGKILLs at random instants of the 124M run")
@@ -239,15 +277,19 @@ def main():
     p.add_argument("--before-rev", default=None, help="the git revision that copy is (recorded)")
     p.add_argument("--quiet", action="store_true", help="nothing else ran on the machine (recorded)")
     p.add_argument("--out", default=os.path.join(ROOT, "bench", "results", "faults.json"))
-    p.add_argument("--save-only", action="store_true", help="measure again only the cost of a save, after and "
-                   "before in turn, three rounds, the fastest kept, into the existing --out (a busy machine makes "
-                   "single measurements unfair to whichever ran while it was busier)")
+    p.add_argument("--save-only", action="store_true", help="into the existing --out: a SIGKILL in the window "
+                   "between two renames (after and before), and the cost of a save measured again, after and before "
+                   "in turn, three rounds, the fastest kept (a busy machine makes single measurements unfair to "
+                   "whichever ran while it was busier)")
     args = p.parse_args()
     if args.save_only:
         with open(args.out) as f:
             report = json.load(f)
         work = tempfile.mkdtemp(prefix="byhand-faults-")
         trees = {"after": ROOT, "before": os.path.abspath(args.before)} if args.before else {"after": ROOT}
+        for side, tree in trees.items():
+            report[side]["window"] = window(tree, report.get("data") or default_data(), work, report["steps"])
+            print(side, "window", report[side]["window"], flush=True)
         best = {}
         for _ in range(3):
             for side, tree in trees.items():
@@ -263,15 +305,7 @@ def main():
             f.write("\n")
         print(f"wrote {args.out}")
         return
-    data = args.data
-    if data is None:
-        import sysconfig
-
-        data = tempfile.mkdtemp(prefix="byhand-faults-data-")
-        for pkg in ("json", "email"):
-            for name in sorted(os.listdir(os.path.join(sysconfig.get_paths()["stdlib"], pkg))):
-                if name.endswith(".py"):
-                    shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], pkg, name), os.path.join(data, f"{pkg}_{name}"))
+    data = args.data or default_data()
     report = {"machine": machine.describe(quiet=args.quiet), "trials": args.trials, "steps": args.steps,
               "shape": "GPT-2 124M (--model-size gpt2 --batch-size 1 --block-size 64 --save-interval 1)",
               "after": measure(ROOT, data, args.trials, args.steps, args.seed)}
@@ -304,6 +338,10 @@ def render(path):
     row("steps lost per kill (each kill: lost of done)",
         lambda r: ", ".join(f"{x['steps_lost']}/{x['updates_done']}" for x in r["kills"]["trials"]))
     row("most steps lost by one kill", lambda r: str(max(x["steps_lost"] for x in r["kills"]["trials"])))
+    if all("window" in report[s] for s in sides):
+        row("SIGKILL between two renames (weights renamed, state being written)",
+            lambda r: (f"resumed from step {r['window']['resumed_from']}" if r["window"]["resumed_from"] is not None
+                       else "resume failed") + f", {r['window']['steps_lost']} of {r['window']['updates_done']} steps lost")
     row("SIGTERM after update 27 of 40 (`--save-interval 20`)",
         lambda r: f"exit {r['sigterm']['exit']}, saved step {r['sigterm']['saved_step']}, "
                   f"{r['sigterm']['steps_lost']} steps lost")
@@ -314,7 +352,8 @@ def render(path):
         lambda r: f"{r['save']['save_s']:.2f} s ({r['save']['save_cpu_s']:.2f} s)")
     row("disk once saved", lambda r: f"{r['save']['disk_bytes'] / 2**30:.2f} GiB")
     out = "\n".join(lines)
-    errors = sorted({x["error"] for s in sides for x in report[s]["kills"]["trials"] if x["error"]})
+    errors = sorted({x["error"] for s in sides for x in [*report[s]["kills"]["trials"], report[s].get("window") or {}]
+                     if x.get("error")})
     if errors:
         out += "\n\nWhat the failed resumes said:\n\n" + "\n".join(f"    {e}" for e in errors)
     if "before" in report and report["before"]["restart"]["error"]:
