@@ -342,8 +342,11 @@ def render(path):
         row("SIGKILL between two renames (weights renamed, state being written)",
             lambda r: (f"resumed from step {r['window']['resumed_from']}" if r["window"]["resumed_from"] is not None
                        else "resume failed") + f", {r['window']['steps_lost']} of {r['window']['updates_done']} steps lost")
+    def status(code):  # Popen's -N: killed by signal N, which a shell reports as 128 + N
+        return f"killed by the signal (status {128 - code})" if code < 0 else f"exit {code}"
+
     row("SIGTERM after update 27 of 40 (`--save-interval 20`)",
-        lambda r: f"exit {r['sigterm']['exit']}, saved step {r['sigterm']['saved_step']}, "
+        lambda r: f"{status(r['sigterm']['exit'])}, saved step {r['sigterm']['saved_step']}, "
                   f"{r['sigterm']['steps_lost']} steps lost")
     row("torchrun `--max-restarts 1`, a worker killed after update 30",
         lambda r: f"torchrun exit {r['restart']['torchrun_exit']}, "
