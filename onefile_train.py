@@ -11,8 +11,10 @@ with a GradScaler (--dtype), gpt2-large and -xl, MFU, the memory table, the toke
 """
 
 import argparse
+import atexit
 import base64
 import contextlib
+import gc
 import hashlib
 import json
 import math
@@ -499,6 +501,9 @@ def run(args, parser, argv):
             f"byhand/launch-{launch}", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
                                                      is_master=False))}
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", **store)
+        # At exit, while Python is whole, the group goes, and the DDP model holding it (cyclic garbage): a gloo
+        # group freed as the interpreter shuts down can abort with "terminate called without an active exception".
+        atexit.register(lambda: (dist.is_initialized() and dist.destroy_process_group(), gc.collect()))
 
     def across_ranks(tensor, op=dist.ReduceOp.SUM):  # every rank's value combined (their sum); alone, its own
         if world > 1:

@@ -61,8 +61,9 @@ def make_parser():
         formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
-                   "directory, or 'stdlib' (the running Python's standard library, tests left out)")
+    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a token directory "
+                   "(prepared here, nanoGPT's train.bin + val.bin, or llm.c's *_train_*.bin + *_val_*.bin shards), "
+                   "or 'stdlib' (the running Python's standard library, tests left out)")
     g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards and hub downloads are "
                    "kept ($BYHAND_CACHE, else ~/.cache/byhand)")
     g = p.add_argument_group("model")
@@ -176,8 +177,10 @@ RUN = rundir.Spec(
     state_file=os.path.join(SHARDED, LATEST),
     checkpoint=(SHARDED, checkpoint.CONFIG, checkpoint.WEIGHTS),  # a commit takes the whole sharded/ folder
     fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
-           "batch_size", "grad_accum"),
-    changeable=("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+           "batch_size"),
+    # grad_accum may change only with the number of ranks, so that batch x grad_accum x world, the global batch, stays
+    # the run's (train.resume_global_batch).
+    changeable=("grad_accum", "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
                 "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "reshard_after_forward",
                 "cpu_offload", "activation_checkpointing", "export", "sample_tokens", "prompt", "temperature",
                 "top_k", "peak_flops"),
@@ -481,9 +484,12 @@ def run(args, parser, argv):
     # The run directory: a saved run is never replaced without --overwrite; --resume validates latest.json and
     # every shard file it names, and takes the saved run's flags (lib/rundir.py). Every rank checks.
     main_rank = int(os.environ.get("RANK", 0)) == 0
+    accum_given = "grad_accum" in guards.explicit_flags(args, parser, argv)  # before the saved flags fill args
     run_dir = rundir.prepare(args, parser, argv, RUN, log=print if main_rank else (lambda *a: None),
                              writes=not args.estimate_memory)
     latest = run_dir.state  # sharded/latest.json of the run being resumed, or None
+    if latest is not None:  # on another number of ranks (DCP reshards), the same global batch
+        train.resume_global_batch(args, latest, accum_given, log=print if main_rank else (lambda *a: None))
 
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)
@@ -530,6 +536,7 @@ def run(args, parser, argv):
     # --- data -------------------------------------------------------------------------------------
     # One process per machine tokenises (once, cached); the others wait and then find the cache.
     data_dir = distributed.local_rank_0_first(dist_info, lambda: data.prepare(args.data, args.cache_dir, log=log))
+    log(data.describe(data_dir))  # the token counts read, and the format (this project's, nanoGPT's or llm.c's)
     # Rank r takes slice [micro, r] of each step's windows: N ranks see what one process sees with N x --grad-accum.
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, rank, world, seed=args.seed)

@@ -17,8 +17,8 @@ exist already); on CUDA the max allocated bytes over those allocated before. Wit
 chunked loss's peak includes the [vocab, hidden] weight gradient (made in forward), which any loss
 needs; "own_peak_vs_full" takes it out of the chunked peak and compares with the full loss's whole
 peak (whose logits are freed before its weight gradient is made). Time: the best of --repeats forward + backward after that first one, wall ("fwd_bwd_s") and
-CPU ("cpu_s", user + system of the process, less disturbed by other work on a busy machine). Issue
-16's target: at vocabulary 151,936 the chunked peak at most 1/4 of the full one. On a busy machine
+CPU ("cpu_s", user + system of the process, less disturbed by other work on a busy machine). The
+target: at vocabulary 151,936 the chunked peak at most 1/4 of the full one. On a busy machine
 the times are "loaded"; the peaks still hold.
 """
 

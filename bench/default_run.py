@@ -5,7 +5,7 @@ CPU time, minor page faults and peak RSS of each run, printed as JSON.
     python bench/default_run.py /tmp/before .                      # the whole default run, both
     python bench/default_run.py /tmp/before . --steps 40 --repeats 2  # a shorter check
 
-Issue 16's targets, after against before: wall time at least 1.25x shorter, system time at most
+The chunked loss's targets, after against before: wall time at least 1.25x shorter, system time at most
 10% of the CPU time (user + system), and a peak RSS no higher. Each run is a child process of its
 own, measured with os.wait4, so each figure is that run's alone. Both checkouts read the same
 token cache, prepared by an untimed run first, so tokenising the corpus is not part of the time.

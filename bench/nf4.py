@@ -5,7 +5,9 @@ The linear comparison runs forward + backward w.r.t. the input at gpt2-medium ML
 shapes; "plain_frozen" is an nn.Linear with requires_grad=False on its weight (the
 same work as the frozen NF4 base in QLoRA), "plain_trainable" also computes dW.
 
-    python bench/nf4.py [--device cpu] [--dtype float32] [--repeats 3]
+    python bench/nf4.py [--device cpu] [--dtype float32] [--repeats 3] [--out bench/results/nf4.json] [--quiet]
+
+render(path) turns the JSON into the speed table of docs/qlora_explained.md.
 """
 import argparse
 import json
@@ -17,6 +19,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import machine  # noqa: E402
 from lib import nf4  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -56,11 +59,13 @@ def main(argv=None):
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=8 * 256, help="batch * sequence length")
+    ap.add_argument("--out", default=None, help="also write the JSON here (e.g. bench/results/nf4.json)")
+    ap.add_argument("--quiet", action="store_true", help="nothing else ran on the machine (recorded)")
     args = ap.parse_args(argv)
     device = torch.device(args.device or default_device())
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
-    report = {"device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
+    report = {"machine": machine.describe(quiet=args.quiet), "device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
               "repeats": args.repeats, "tokens": args.tokens,
               # Other processes competing for the cores slow the many small dequantise ops most.
               "load_avg_1min_before": round(os.getloadavg()[0], 2), "quantize": {}, "linear": {}}
@@ -103,6 +108,27 @@ def main(argv=None):
     report["target_ratio"] = 1.5
     report["meets_target"] = worst <= 1.5
     print(json.dumps(report))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(json.dumps(report, indent=1) + "\n")
+
+
+def render(path="bench/results/nf4.json"):
+    """The quantise/dequantise and LinearNF4 tables for the docs, with the machine's caption."""
+    with open(path) as f:
+        r = json.load(f)
+    lines = [f"Device {r['device']}, {r['dtype']} weights, {r['threads']} threads, best of {r['repeats']} "
+             "after a warm-up; GB/s counts the fp32 size of the weight (numel x 4 bytes).", "",
+             "| weight | quantise | dequantise | bits per parameter |", "|---|---:|---:|---:|"]
+    for shape, q in r["quantize"].items():
+        lines.append(f"| {shape} | {q['quantize_gb_s']:.2f} GB/s ({q['quantize_ms']:.1f} ms) | "
+                     f"{q['dequantize_gb_s']:.2f} GB/s ({q['dequantize_ms']:.1f} ms) | {q['bits_per_parameter']:.3f} |")
+    lines += ["", f"Forward + backward (w.r.t. the input) of one layer on {r['tokens']:,} tokens:", "",
+              "| layer | LinearNF4 | nn.Linear, frozen | nn.Linear, trainable | NF4 / frozen |", "|---|---:|---:|---:|---:|"]
+    for shape, t in r["linear"].items():
+        lines.append(f"| {shape} | {t['nf4_ms']:.1f} ms | {t['plain_frozen_ms']:.1f} ms | "
+                     f"{t['plain_trainable_ms']:.1f} ms | {t['ratio_vs_frozen']:.2f}x |")
+    return "\n".join(lines + ["", machine.caption(r["machine"])])
 
 
 if __name__ == "__main__":

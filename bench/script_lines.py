@@ -1,4 +1,4 @@
-"""Issue 15's reading measures for the ten scripts, printed as JSON: lines, the longest function,
+"""Reading measures for the ten scripts, printed as JSON: lines, the longest function,
 and how many code lines are the technique rather than bookkeeping.
 
     python bench/script_lines.py                 # this checkout

@@ -15,7 +15,7 @@ On CPU each subprocess runs with MALLOC_MMAP_THRESHOLD_=131072 (glibc then maps 
 128 KiB on its own and unmaps it when freed), so the resident set follows the tensors; without it
 glibc keeps freed blocks of up to 32 MiB in its heap, and the peak then depends on the allocation
 history: --glibc-default measures that way too (the chunked peak then grows with the number of chunks).
-Targets (the issue's): at a fixed chunk size, quadrupling K raises the chunked peak by at most 10%;
+Targets: at a fixed chunk size, quadrupling K raises the chunked peak by at most 10%;
 a chunked step costs at most 1.5x a single_gpu step where both fit; the estimate is within 25% of
 the measured peak. model_parallel runs under torchrun (gloo on CPU); its row is the rank with the
 higher peak, and its estimate is the per-rank one.

@@ -66,7 +66,10 @@ def render_page(text):
     lines = text.split("\n")
     out, last, changed = [], 0, []
     for start, end, source in blocks(text):
-        new = call(source)
+        try:
+            new = call(source)
+        except Exception as err:  # name the block whose source failed, then the cause
+            raise RuntimeError(f"line {start + 1}: figure block {source} failed to render: {err!r}") from err
         old = "\n".join(lines[start + 1:end])
         if old != new:
             changed.append((start + 1, source, old, new))
@@ -86,7 +89,11 @@ def main(argv=None):
         path = os.path.join(ROOT, page)
         with open(path, encoding="utf-8") as f:
             text = f.read()
-        new, changed = render_page(text)
+        try:
+            new, changed = render_page(text)
+        except (RuntimeError, ValueError) as err:
+            print(f"{page}:{err}", file=sys.stderr)
+            return 2
         for line, source, _, _ in changed:
             print(f"{page}:{line}: figure block differs from its source ({source})")
         differ += len(changed)

@@ -5,7 +5,9 @@ one process per device and tells each its RANK, LOCAL_RANK and WORLD_SIZE throug
 variables; a script started with plain `python` sees none of them and runs as rank 0 of 1.
 """
 
+import atexit
 import datetime
+import gc
 import os
 import signal
 import sys
@@ -32,6 +34,7 @@ class DistInfo:
 
 def setup(device_type: str) -> DistInfo:
     """Join the process group if torchrun launched us (nccl on CUDA, gloo otherwise)."""
+    leave_before_exit()  # also for a group a script makes itself (train_fsdp.py's group of one)
     if "RANK" not in os.environ:
         return DistInfo()
     info = DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
@@ -56,6 +59,31 @@ def restart_store(info: DistInfo) -> dict:
                           timeout=datetime.timedelta(minutes=10))
     return {"store": dist.PrefixStore(f"byhand/launch-{launch}", store), "rank": info.rank,
             "world_size": info.world_size}
+
+
+_leave_registered = False
+
+
+def leave_before_exit():
+    """Make sure the process group is gone, with every object that holds it, before Python tears down.
+
+    destroy_process_group() only drops torch's own references to the group. A DDP model's reducer (or any
+    other holder) keeps the C++ ProcessGroupGloo, and its worker threads, alive; when that model is cyclic
+    garbage it is freed only by the collection Python runs while finalizing the interpreter, and a gloo
+    group destroyed then can abort the process with "terminate called without an active exception"
+    (SIGABRT): a run that trained and saved, then crashed. So at exit, while the interpreter is still whole
+    (atexit runs after main() has returned and its frames are gone), destroy the group if a path left it
+    and collect the garbage that holds it."""
+    global _leave_registered
+    if not _leave_registered:
+        atexit.register(_leave)
+        _leave_registered = True
+
+
+def _leave():
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
 
 
 def device_for(info: DistInfo, device: torch.device) -> torch.device:
@@ -88,6 +116,7 @@ def cleanup(info: DistInfo, wait: bool = True):
         if wait:
             dist.barrier()
         dist.destroy_process_group()
+    # What still holds the group (a DDP model the caller keeps) goes at exit: leave_before_exit.
 
 
 # The signal that asked this process to stop: SIGINT (Ctrl-C) or SIGTERM (a scheduler), once one has.

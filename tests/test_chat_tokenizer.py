@@ -395,7 +395,7 @@ def test_real_chat_templates_render_as_transformers(real_golden, name):
 def test_real_template_families_and_their_defaults():
     """The default system messages and date lines are read from each real template, however its strings
     spell the newline: Qwen2's and SmolLM2's files hold a real newline inside the Jinja quotes, Qwen2.5's a
-    backslash-n (the issue: only the second was found, so Qwen2's default system message was dropped)."""
+    backslash-n (the bug: only the second was found, so Qwen2's default system message was dropped)."""
     want = {"smollm2": ("chatml", {"system": "You are a helpful AI assistant named SmolLM, trained by Hugging Face"}),
             "qwen2": ("chatml", {"system": "You are a helpful assistant."}),
             "qwen2.5": ("qwen2_5", {"system": "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."}),

@@ -42,7 +42,7 @@ def test_help_has_text_and_one_default_per_flag(name, monkeypatch, capsys):
     flat = " ".join(text.split())
     assert "(default: None)" not in flat
     assert not re.search(r"\(default[^)]*\) \(default", flat), "a default shown twice"
-    # The common safety flags every script has (issue 7).
+    # The common safety flags every script has.
     for flag in ("--overwrite", "--force", "--resume"):
         assert flag in parser._option_string_actions, f"{name} lacks {flag}"
 

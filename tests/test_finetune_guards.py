@@ -1,4 +1,4 @@
-"""finetune_lora.py and finetune_qlora.py as a careless user drives them (issue 7): nothing saved is
+"""finetune_lora.py and finetune_qlora.py as a careless user drives them: nothing saved is
 lost or replaced, non-finite weights are never written, --resume refuses flags that contradict the
 saved run, every mistake is one line and exit 2 before any work, and a run that cannot fit in memory
 stops before it allocates. Tiny base (2 layers, 64 wide), a one-file corpus, a few steps at most.

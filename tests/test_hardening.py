@@ -1,4 +1,4 @@
-"""Issue 7 for the pretraining scripts (train.py, onefile_train.py, train_fsdp.py) and the shared lib/
+"""Careless use of the pretraining scripts (train.py, onefile_train.py, train_fsdp.py) and the shared lib/
 pieces: no lost work, one line and exit 2 for user mistakes, memory checked before it is spent, and a
 test suite that never touches the user's cache."""
 
@@ -158,7 +158,7 @@ def files_of(out_dir):
 @pytest.mark.parametrize("script", ["train", "onefile"])
 def test_non_finite_gradients_skip_the_update_and_every_checkpoint_is_finite(script, corpus, tmp_path, capsys):
     out = str(tmp_path / "nan")
-    every = "1" if script == "train" else "4"  # the issue's case for train.py; fewer saves (and seconds) for onefile
+    every = "1" if script == "train" else "4"  # a save every step for train.py; fewer saves (and seconds) for onefile
     message = main_exits_2(SCRIPTS[script], [*small(script), "--data", corpus, "--lr", "1e4", "--save-interval", every,
                                              "--steps", "40", "--out-dir", out], capsys)
     records = [r for r in read_metrics(out) if "loss" in r]
@@ -293,7 +293,7 @@ def test_user_mistakes_end_with_one_line_before_any_work(script, corpus, tmp_pat
 @pytest.mark.parametrize("script", ["train", "onefile", "fsdp"])
 def test_an_impossible_run_stops_before_allocating(script, corpus, tmp_path, capsys):
     out = str(tmp_path / "big")
-    # 8 x 1,000,000 tokens: hundreds of GiB of activations alone, on any machine (the loss, chunked since issue 16,
+    # 8 x 1,000,000 tokens: hundreds of GiB of activations alone, on any machine (the loss, chunked,
     # no longer makes a block size of 100,000 impossible by its logits).
     message = main_exits_2(SCRIPTS[script], ["--data", corpus, "--block-size", "1000000", "--out-dir", out], capsys)
     assert "the memory estimate" in message and "GiB" in message and "--block-size" in message and "--force" in message

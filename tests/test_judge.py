@@ -322,7 +322,7 @@ def write_judge_dir(directory, seed=0, sizes=None):
 
 
 def test_resume_keeps_the_saved_flags_and_finds_moved_data(tmp_path, capsys):
-    """Issue 14's case: after a run with --data_dir D --max_samples 40 --lr 0.01 --eval_steps 2
+    """A resumed run that must keep its flags: after a run with --data_dir D --max_samples 40 --lr 0.01 --eval_steps 2
     --test_samples 16, `--resume --epochs 2` keeps every one of them; the LoRA rank the run used is
     recorded (a resume naming it is not a contradiction); a moved --data_dir with the same contents
     resumes, one with other contents is refused."""

@@ -1,4 +1,4 @@
-"""The run contract (lib/rundir.py; README "Common flags"), held against every script that saves.
+"""The run contract (lib/rundir.py; README "What happens to a saved run"), held against every script that saves.
 
 One parametrised test per rule, over the ten scripts. Adding a script to the repository means adding
 it to CASES below. Each case runs the script in-process (its main(argv)) with tiny settings, or under

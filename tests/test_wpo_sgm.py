@@ -345,7 +345,7 @@ def test_8gaussians_learns_and_samples_land_on_the_modes(tmp_path):
 
 
 def test_resume_keeps_the_saved_flags_and_may_change_the_strategy(tmp_path, monkeypatch, capsys):
-    """Issue 14's WPO-SGM cases: a plain --resume after Ctrl-C keeps --niters, --data, --seed, --depth,
+    """WPO-SGM resume cases: a plain --resume after Ctrl-C keeps --niters, --data, --seed, --depth,
     --hiddenunits, --batch_size, --lr and --strategy; --niters may grow without resetting the rest; the
     strategy may change (every strategy computes the same loss: the run continues exactly); a fixed flag
     with another value is refused. (The contract test covers the rest: tests/test_run_contract.py.)"""
