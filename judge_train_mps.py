@@ -124,7 +124,7 @@ def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
     p.add_argument("--estimate-memory", "--estimate_memory", action="store_true",
                    help="print the predicted memory of a training step for this model, these flags and this data "
                    "(reads config.json and the tokenizer, never the weights) and exit")
-    guards.add_safety_flags(p)
+    guards.add_safety_flags(p, snake=True)
     return p
 
 

@@ -39,8 +39,9 @@ def make_parser():
         formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
-                   "directory, or 'stdlib' (the running Python's standard library, tests left out)")
+    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a token directory "
+                   "(prepared here, nanoGPT's train.bin + val.bin, or llm.c's *_train_*.bin + *_val_*.bin shards), "
+                   "or 'stdlib' (the running Python's standard library, tests left out)")
     g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards and hub downloads are "
                    "kept ($BYHAND_CACHE, else ~/.cache/byhand)")
     g = p.add_argument_group("model")
@@ -101,8 +102,10 @@ RUN = rundir.Spec(
     saved={checkpoint.CONFIG: "json", checkpoint.WEIGHTS: "safetensors", checkpoint.STATE: "state"},
     same_step=(checkpoint.WEIGHTS,),
     fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
-           "batch_size", "grad_accum"),
-    changeable=("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+           "batch_size"),
+    # grad_accum may change on --resume only with the world size, keeping batch x grad_accum x world the same
+    # (resume_global_batch): that product, the global batch, is what the run is.
+    changeable=("grad_accum", "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
                 "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "compile",
                 "sample_tokens", "prompt", "temperature", "top_k", "peak_flops"),
     data=("data",),
@@ -154,6 +157,7 @@ def save(run_dir, raw_model, optimizer, step, args, first_val, updates, dist_inf
             "optimizer": optimizer.state_dict(),
             **devices.rng_states(),
             "data_position": step,  # batches are a function of (seed, step): the step is the position
+            "world_size": dist_info.world_size,  # with grad_accum, the global batch a resume keeps
             "first_val_loss": first_val,  # so a resumed run reports where the whole run started
         })
     updates.saved(step)
@@ -208,6 +212,15 @@ def initial_weights(args, dist_info, log):
     return None
 
 
+def resume_global_batch(args, train_state, accum_given, log):
+    """--resume under torchrun with another --nproc_per_node (or without torchrun): set args.grad_accum so that
+    batch x grad_accum x world is the saved run's; the windows of a step then stay the same (lib/data.py)."""
+    saved_accum = rundir.saved_args(train_state).get("grad_accum", args.grad_accum)
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    args.grad_accum = data.keep_global_batch(args.batch_size, saved_accum, train_state.get("world_size", world), world,
+                                             args.grad_accum if accum_given else None, log)
+
+
 def restore(train_state, optimizer, args, log):
     """--resume: AdamW's moments and the RNG states (dropout draws from them) as saved. Returns (the step to
     continue from, the run's first validation loss)."""
@@ -229,9 +242,12 @@ def run(args, parser, argv):
     # The run directory: a saved run is never replaced without --overwrite; --resume validates every
     # saved file and takes the saved run's flags (lib/rundir.py).
     main_rank = int(os.environ.get("RANK", 0)) == 0  # torchrun's ranks all check; one of them reports
+    accum_given = "grad_accum" in guards.explicit_flags(args, parser, argv)  # before the saved flags fill args
     run_dir = rundir.prepare(args, parser, argv, RUN, log=print if main_rank else (lambda *a: None),
                              writes=not args.estimate_memory)
     train_state = run_dir.state
+    if run_dir.resumed:  # on another number of processes, the same global batch (or a one-line refusal)
+        resume_global_batch(args, train_state, accum_given, log=print if main_rank else (lambda *a: None))
 
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)
@@ -267,6 +283,7 @@ def run(args, parser, argv):
     # --- data -------------------------------------------------------------------------------------
     # One process per machine tokenises (once, cached); the others wait and then find the cache.
     data_dir = distributed.local_rank_0_first(dist_info, lambda: data.prepare(args.data, args.cache_dir, log=log))
+    log(data.describe(data_dir))  # the token counts read, and the format (this project's, nanoGPT's or llm.c's)
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, dist_info.rank, dist_info.world_size, seed=args.seed)
     # Validation batches are one fixed list, split between ranks inside evaluate().

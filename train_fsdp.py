@@ -61,8 +61,9 @@ def make_parser():
         formatter_class=guards.HelpFormatter,
     )
     g = p.add_argument_group("data")
-    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a prepared token-shard "
-                   "directory, or 'stdlib' (the running Python's standard library, tests left out)")
+    g.add_argument("--data", default="stdlib", help="a text file, a directory of text files, a token directory "
+                   "(prepared here, nanoGPT's train.bin + val.bin, or llm.c's *_train_*.bin + *_val_*.bin shards), "
+                   "or 'stdlib' (the running Python's standard library, tests left out)")
     g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards and hub downloads are "
                    "kept ($BYHAND_CACHE, else ~/.cache/byhand)")
     g = p.add_argument_group("model")
@@ -174,9 +175,12 @@ RUN = rundir.Spec(
     optional=(checkpoint.CONFIG, checkpoint.WEIGHTS),  # the export: none with --no-export, or before the end
     written=(rundir.METRICS, SHARDED),
     state_file=os.path.join(SHARDED, LATEST),
+    checkpoint=(SHARDED, checkpoint.CONFIG, checkpoint.WEIGHTS),  # a commit takes the whole sharded/ folder
     fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
-           "batch_size", "grad_accum"),
-    changeable=("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
+           "batch_size"),
+    # grad_accum may change only with the number of ranks, so that batch x grad_accum x world, the global batch, stays
+    # the run's (train.resume_global_batch).
+    changeable=("grad_accum", "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
                 "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "reshard_after_forward",
                 "cpu_offload", "activation_checkpointing", "export", "sample_tokens", "prompt", "temperature",
                 "top_k", "peak_flops"),
@@ -384,31 +388,42 @@ def evaluate(model, batches, n_batches, device):
 
 def save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates):
     """Every rank writes its own shard of the weights and AdamW state (torch.distributed.checkpoint);
-    then rank 0 points latest.json at the new directory and removes the older ones. step = the next step
-    to run. Shards holding NaN or inf are never saved: every rank stops, naming the last finite save.
+    then rank 0 points latest.json at the new directory, removes the older ones and commits. step = the
+    next step to run. Shards holding NaN or inf are never saved: every rank stops, naming the last
+    finite save.
 
-    latest.json is written last and atomically, so a save cut short leaves the previous one in charge.
+    The shards go to sharded/step-N.tmp and are renamed step-N only once every rank has written all of
+    its files, so a folder half-written is never named like a whole one; latest.json follows, and
+    rundir.commit makes the save one checkpoint (OUT/checkpoints/step-N), so a save cut short at any
+    instant leaves the previous checkpoint whole.
     """
     root = os.path.join(run_dir.out_dir, SHARDED)
     check_finite_shards(model, step, updates.last_saved, root)
     name = f"step-{step:06d}"
-    path = os.path.join(root, name)
-    if dist.get_rank() == 0 and os.path.isdir(path):
-        shutil.rmtree(path)  # left by an earlier run in this --out-dir
+    path, staging = os.path.join(root, name), os.path.join(root, f"{name}.tmp")
+    if dist.get_rank() == 0 and os.path.isdir(staging):
+        shutil.rmtree(staging)  # left by a save cut short
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: each rank's slice plus where it sits
     del model_sd[TIED]  # the same tensor as transformer.wte.weight; store it once
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    checkpoint.fault_point(f"write {name} shards")
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
     # Each rank's generator draws its own dropout masks; the data order needs no state (it is the step).
-    torch.save(torch.get_rng_state(), os.path.join(path, f"rng-rank{dist.get_rank()}.pt"))
-    dist.barrier()
+    checkpoint.fault_point(f"write rng-rank{dist.get_rank()}.pt")
+    torch.save(torch.get_rng_state(), os.path.join(staging, f"rng-rank{dist.get_rank()}.pt"))
+    dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
+        if os.path.isdir(path):
+            shutil.rmtree(path)  # the same step saved before: its files live on in OUT/checkpoints
+        checkpoint.fault_point(f"rename {name}.tmp")
+        os.replace(staging, path)
         checkpoint.save_json(os.path.join(root, LATEST), {
             "step": step, "checkpoint": name, "world_size": dist.get_world_size(), "config": vars(cfg),
             "args": vars(args), "data_sha256": run_dir.fingerprints, "first_val_loss": first_val})
         for old in os.listdir(root):
             if old.startswith("step-") and old != name:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        rundir.commit(run_dir, args, step)
     updates.saved(step)
 
 
@@ -469,9 +484,12 @@ def run(args, parser, argv):
     # The run directory: a saved run is never replaced without --overwrite; --resume validates latest.json and
     # every shard file it names, and takes the saved run's flags (lib/rundir.py). Every rank checks.
     main_rank = int(os.environ.get("RANK", 0)) == 0
+    accum_given = "grad_accum" in guards.explicit_flags(args, parser, argv)  # before the saved flags fill args
     run_dir = rundir.prepare(args, parser, argv, RUN, log=print if main_rank else (lambda *a: None),
                              writes=not args.estimate_memory)
     latest = run_dir.state  # sharded/latest.json of the run being resumed, or None
+    if latest is not None:  # on another number of ranks (DCP reshards), the same global batch
+        train.resume_global_batch(args, latest, accum_given, log=print if main_rank else (lambda *a: None))
 
     # --- device and distributed setup -----------------------------------------------------------
     device = devices.pick_device(args.device)
@@ -518,6 +536,7 @@ def run(args, parser, argv):
     # --- data -------------------------------------------------------------------------------------
     # One process per machine tokenises (once, cached); the others wait and then find the cache.
     data_dir = distributed.local_rank_0_first(dist_info, lambda: data.prepare(args.data, args.cache_dir, log=log))
+    log(data.describe(data_dir))  # the token counts read, and the format (this project's, nanoGPT's or llm.c's)
     # Rank r takes slice [micro, r] of each step's windows: N ranks see what one process sees with N x --grad-accum.
     train_batches = data.Batches(data.TokenSplit(data_dir, "train"), args.batch_size, block_size,
                                  args.grad_accum, rank, world, seed=args.seed)

@@ -116,3 +116,174 @@ def test_errors_name_the_problem(tmp_path):
     (foreign / "meta.json").write_text(json.dumps({"format": data.FORMAT, "vocab_size": 32000, "dtype": "uint16"}))
     with pytest.raises(UserError, match="vocab 32000"):
         data.prepare(str(foreign))
+
+
+# --- streaming preparation: chunks cut at line boundaries, the same tokens as the whole text --------------
+def whole_file_tokens(texts):
+    """What preparing used to do, all in memory: each file encoded whole, after <|endoftext|>."""
+    enc = tokenizer.get_encoding()
+    return np.array([t for text in texts for t in [tokenizer.EOT, *enc.encode_ordinary(text)]], dtype=np.uint16)
+
+
+def test_a_big_file_in_small_chunks_gives_the_tokens_of_the_whole_file(tmp_path, monkeypatch):
+    import sysconfig
+
+    stdlib = sysconfig.get_paths()["stdlib"]
+    # Real text with indentation, blank lines, trailing spaces, CRLF and non-ASCII: every place a cut could
+    # change GPT-2's pre-tokenisation ("\n    " and "\n\n" are single pieces).
+    text = open(os.path.join(stdlib, "json", "decoder.py"), encoding="utf-8").read()
+    text += "trailing   \n\n\n   indented after blanks\r\nwindows line\r\n  café ünïcödé\u00a0\n\u3000x\n" * 20
+    f = tmp_path / "big.txt"
+    f.write_bytes(text.encode("utf-8"))
+    monkeypatch.setattr(data, "CHUNK_BYTES", 97)  # hundreds of chunks
+    monkeypatch.setattr(data, "BATCH_CHUNKS", 3)
+    monkeypatch.setattr(data, "SHARD_TOKENS", 1000)  # several shards, the val tail spanning two of them
+    chunks = [t for _, t in data._chunks(str(f), False)]
+    assert len(chunks) > 50 and "".join(chunks) == text
+    for a in chunks[:-1]:  # each cut is just before a line break that follows a non-space character
+        assert not a[-1].isspace()
+    out = data.prepare(str(f), log=lambda *a: None)
+    splits = data.read_splits(out)
+    got = np.concatenate([*splits["train"], *splits["val"]])
+    expected = whole_file_tokens([text])
+    assert np.array_equal(got, expected)
+    meta = json.load(open(os.path.join(out, "meta.json")))
+    assert meta["val_tokens"] == max(1, len(expected) * data.VAL_PERCENT // 100)
+    assert len(meta["train_shards"]) == -(-meta["train_tokens"] // 1000)
+    assert sorted(os.listdir(out)) == sorted(["meta.json", *meta["train_shards"], *meta["val_shards"]])
+
+
+def test_a_directory_streams_to_the_same_tokens_as_tokenising_each_file(tmp_path, text_dir, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(data, "PROGRESS_SECONDS", 0)  # a progress line after every batch
+    said = []
+    out = data.prepare(text_dir, str(tmp_path / "cache"), log=said.append)  # a fresh cache: prepared here
+    files = sorted(os.listdir(text_dir))
+    for split in ("train", "val"):
+        texts = [open(os.path.join(text_dir, n), encoding="utf-8").read() for n in files
+                 if data.is_val_file(n) == (split == "val")]
+        assert np.array_equal(np.concatenate(data.read_splits(out)[split]), whole_file_tokens(texts)), split
+    assert any(line.startswith("preparing: ") and "MB/s, ETA" in line for line in said)
+    assert said[-1].startswith("prepared ") and "MB/s" in said[-1]
+
+
+def test_bad_utf8_deep_inside_a_big_file_names_the_file_and_byte(tmp_path, monkeypatch):
+    monkeypatch.setattr(data, "CHUNK_BYTES", 64)
+    f = tmp_path / "mostly.txt"
+    f.write_bytes(b"fine line\n" * 100 + b"caf\xe9\n" + b"more\n")
+    with pytest.raises(UserError, match=r"mostly.txt is not UTF-8 text \(bad byte at offset 1003\)"):
+        data.prepare(str(f), log=lambda *a: None)
+    assert not [p for p in os.listdir(os.path.join(data.default_cache_dir(), "data")) if "mostly" in p and "tmp" not in p]
+
+
+# --- nanoGPT's and llm.c's token files, read in place ---------------------------------------------------
+def write_llmc(path, tokens, magic=20240520, version=1, count=None):
+    header = np.zeros(256, dtype=np.int32)
+    header[:3] = magic, version, len(tokens) if count is None else count
+    with open(path, "wb") as f:
+        f.write(header.tobytes())
+        f.write(np.asarray(tokens, dtype=np.uint16).tobytes())
+
+
+def test_nanogpt_and_llmc_token_files_are_read_memory_mapped(tmp_path):
+    rng = np.random.default_rng(0)
+    train, val = rng.integers(0, 50257, 5000, dtype=np.uint16), rng.integers(0, 50257, 700, dtype=np.uint16)
+    nano = tmp_path / "nano"
+    nano.mkdir()
+    train.tofile(nano / "train.bin")
+    val.tofile(nano / "val.bin")
+    assert data.token_format(str(nano)) == "nanogpt" and data.is_prepared(str(nano))
+    assert data.prepare(str(nano)) == str(nano)  # no copy, no cache
+    split = data.TokenSplit(str(nano), "train")
+    assert isinstance(split.shards[0], np.memmap) and np.array_equal(split.shards[0], train)
+    assert "5,000 train tokens" in data.describe(str(nano)) and "nanogpt" in data.describe(str(nano))
+
+    llmc = tmp_path / "fineweb10B"
+    llmc.mkdir()
+    write_llmc(llmc / "fineweb_val_000000.bin", val)
+    write_llmc(llmc / "fineweb_train_000001.bin", train[:3000])
+    write_llmc(llmc / "fineweb_train_000002.bin", train[3000:])
+    assert data.token_format(str(llmc)) == "llm.c"
+    split = data.TokenSplit(str(llmc), "train")
+    assert [len(s) for s in split.shards] == [3000, 2000] and isinstance(split.shards[0], np.memmap)
+    assert np.array_equal(np.concatenate(split.shards), train)
+    assert np.array_equal(data.TokenSplit(str(llmc), "val").shards[0], val)
+    # A batch window is a window of one shard, read through the memory map.
+    x, y = data.Batches(split, 4, 16, seed=3).get(0)
+    for row in x.numpy():
+        assert any(np.array_equal(s[p:p + 16], row) for s in split.shards for p in np.flatnonzero(s[:-16] == row[0]))
+
+
+def test_foreign_token_files_are_one_line_naming_what_was_expected(tmp_path):
+    def refused(d, pattern):
+        with pytest.raises(UserError, match=pattern):
+            data.prepare(str(d))  # a token directory is checked whole, both splits
+
+    ok = np.arange(100, dtype=np.uint16)
+    for name, kwargs, pattern in [
+        ("magic", dict(magic=20240801), "no llm.c header .*magic 20240520, found 20240801"),
+        ("version", dict(version=2), "llm.c version 2, expected 1"),
+        ("count", dict(count=150), "the header says 150 tokens, so 1,324 bytes, the file has 1,224"),
+    ]:
+        d = tmp_path / name
+        d.mkdir()
+        write_llmc(d / "x_train_000001.bin", ok, **kwargs)
+        write_llmc(d / "x_val_000000.bin", ok)
+        refused(d, pattern)
+    d = tmp_path / "trainonly"
+    d.mkdir()
+    write_llmc(d / "x_train_000001.bin", ok)
+    refused(d, r"no \*_val_\*.bin")
+    d = tmp_path / "nanoodd"
+    d.mkdir()
+    (d / "train.bin").write_bytes(b"\x00" * 101)
+    (d / "val.bin").write_bytes(b"\x00" * 100)
+    refused(d, "not a whole number of uint16 tokens")
+    d = tmp_path / "nanonoval"
+    d.mkdir()
+    ok.tofile(d / "train.bin")
+    refused(d, r"no val.bin; expected both train.bin and val.bin")
+    d = tmp_path / "uint32"
+    d.mkdir()
+    np.full(100, 60000, dtype=np.uint16).tofile(d / "train.bin")
+    ok.tofile(d / "val.bin")
+    refused(d, "token id 60000, past GPT-2's 50257")
+    d = tmp_path / "other"
+    d.mkdir()
+    ok.tofile(d / "tokens.bin")
+    refused(d, r"tokens.bin: a .bin file in a directory that is not a token directory; expected text files, or "
+               r"nanoGPT's train.bin and val.bin, or llm.c's")
+
+
+def test_train_py_trains_on_nanogpt_and_llmc_files_as_on_its_own_shards(tmp_path, text_dir, capsys):
+    import train
+    from tests.conftest import TINY, step_losses
+
+    ours = data.prepare(text_dir, log=lambda *a: None)
+    train_ids, val_ids = (np.fromfile(os.path.join(ours, f"{s}_0000.bin"), dtype=np.uint16) for s in ("train", "val"))
+    nano, llmc = tmp_path / "nano", tmp_path / "llmc"
+    nano.mkdir(), llmc.mkdir()
+    train_ids.tofile(nano / "train.bin"), val_ids.tofile(nano / "val.bin")
+    write_llmc(llmc / "corpus_train_000001.bin", train_ids), write_llmc(llmc / "corpus_val_000000.bin", val_ids)
+    losses = {}
+    for name, d in [("ours", text_dir), ("nanogpt", nano), ("llm.c", llmc)]:
+        train.main([*TINY, "--steps", "2", "--eval-interval", "100", "--eval-batches", "1", "--data", str(d),
+                    "--out-dir", str(tmp_path / name)])
+        assert f"data: {len(train_ids):,} train tokens (1 file(s)), {len(val_ids):,} val tokens" in capsys.readouterr().out
+        losses[name] = step_losses(tmp_path / name)
+    assert losses["nanogpt"] == losses["ours"] == losses["llm.c"]  # the same windows of the same tokens
+
+
+def test_the_data_page_shows_the_committed_preparation_bench():
+    """docs/pretraining_data.md's table is rendered from bench/results/prepare.json, which shows flat memory."""
+    from docs import render
+
+    page = os.path.join(render.ROOT, "docs", "pretraining_data.md")
+    text = open(page, encoding="utf-8").read()
+    assert [source for _, _, source in render.blocks(text)] == ["bench.prepare.render bench/results/prepare.json"]
+    assert render.render_page(text)[1] == [], "run python docs/render.py"
+    report = json.load(open(os.path.join(render.ROOT, "bench", "results", "prepare.json")))
+    assert report["checks"]["flat_memory"] and report["checks"]["same_tokens_as_in_memory"]
+    assert {p["text_mb"] for p in report["points"]} == {50, 400, 1600}
+    peak = {(p["impl"], p["text_mb"]): p.get("peak_rss") for p in report["points"]}
+    assert peak["streaming", 400] < peak["in_memory", 400] / 10  # the in-memory way held the corpus many times over
