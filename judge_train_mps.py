@@ -5,15 +5,17 @@
     python judge_train_mps.py --model meta-llama/Llama-3.2-1B-Instruct --epochs 1 --max_samples 50 --test_samples 20
     python judge_train_mps.py --model Qwen/Qwen2-1.5B-Instruct --estimate-memory
 
-Given a source sentence, a translation and a reference, the judge answers `Score: X/10` and then
-`Feedback: ...`. A judge is a chat model fine-tuned on conversations whose last turn is that answer;
+Given a source sentence, a translation and a reference, the judge answers `Feedback: ...` and then
+`Score: X/10`: reasoning first, verdict last, as Prometheus and JudgeLM do (written the other way
+round, a small judge learns the feedback's wording and not the score; see judge_answer). A judge is a
+chat model fine-tuned on conversations whose last turn is that answer;
 the loss falls on the answer's tokens only (the prompt is context, not something to imitate), and
 the judge is graded by decoding greedily and comparing its scores with the references' (MAE, RMSE,
 Cohen's kappa, Pearson r) and its feedback with theirs (ROUGE-L F1).
 
 The whole recipe is in this file, in the order a reader needs it:
   1. arguments, and the recipe this script picks: MPS (else the CPU), the Qwen2 / Llama 3 base
-     (lib/llama.py) frozen in fp32, fp32 arithmetic, plain AdamW at lr 1e-4, clipping at 1.0;
+     (lib/llama.py) frozen in fp32, fp32 arithmetic, plain AdamW at lr 5e-4, clipping at 1.0;
   2. the data: the embedded judge set or --data_dir, rendered with the model's chat template, the
      loss masked to the answer;
   3. the model and LoRA (lib/lora.py) on q_proj, k_proj, v_proj and o_proj, rank 16 / alpha 32 for
@@ -48,7 +50,7 @@ from typing import Callable
 import numpy as np
 import torch
 
-from lib import chat_tokenizer, guards, llama, lora, metrics, optim, rundir
+from lib import chat_tokenizer, guards, llama, lm_loss, lora, metrics, optim, rundir
 from lib import device as devices
 from lib.checkpoint import save_json
 from lib.errors import UserError, report_and_exit
@@ -61,7 +63,7 @@ PREDICTIONS = "test_predictions.json"
 
 # --- 1. arguments -----------------------------------------------------------------------------------
 # The defaults that are not --model tiny's (the demo's are in resolve_defaults).
-DEFAULTS = dict(model="Qwen/Qwen2-1.5B-Instruct", lr=1e-4, batch_size=1, gradient_accumulation=2)
+DEFAULTS = dict(model="Qwen/Qwen2-1.5B-Instruct", lr=5e-4, batch_size=1, gradient_accumulation=2)
 
 
 def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
@@ -80,7 +82,7 @@ def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
                    help=f"micro-batches per optimizer step (default {defaults['gradient_accumulation']}; "
                    f"1 with --model tiny)")
     p.add_argument("--lr", type=guards.positive_float, default=None,
-                   help=f"peak learning rate (default {defaults['lr']:g}; 3e-3 with --model tiny, whose LoRA must "
+                   help=f"peak learning rate (default {defaults['lr']:g}; 6e-3 with --model tiny, whose LoRA must "
                    f"learn in minutes)")
     p.add_argument("--max_seq_length", "--max-seq-length", type=guards.positive_int, default=512,
                    help="tokens per conversation at most (the prompt is cut from the left)")
@@ -108,7 +110,7 @@ def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
     p.add_argument("--min_delta", "--min-delta", type=guards.nonneg_float, default=0.005,
                    help="improvement of the validation loss that counts for early stopping")
     p.add_argument("--max_new_tokens", "--max-new-tokens", type=guards.positive_int, default=None,
-                   help="tokens generated per test answer (default 256; 48 with --model tiny)")
+                   help="tokens generated per test answer (default 256; 96 with --model tiny)")
     p.add_argument("--baseline_eval", "--baseline-eval", action="store_true", help="also evaluate the untrained "
                    "judge (the base) on the test set first (always on with --model tiny)")
     p.add_argument("--log_interval", "--log-interval", type=guards.positive_int, default=10,
@@ -122,7 +124,7 @@ def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
     p.add_argument("--estimate-memory", "--estimate_memory", action="store_true",
                    help="print the predicted memory of a training step for this model, these flags and this data "
                    "(reads config.json and the tokenizer, never the weights) and exit")
-    guards.add_safety_flags(p)
+    guards.add_safety_flags(p, snake=True)
     return p
 
 
@@ -134,9 +136,9 @@ def resolve_defaults(args, defaults=DEFAULTS):
     args.gradient_accumulation = args.gradient_accumulation or (1 if tiny else defaults["gradient_accumulation"])
     args.epochs = (2 if tiny else 3) if args.epochs is None else args.epochs
     args.batch_size = args.batch_size or (8 if tiny else defaults["batch_size"])
-    args.lr = args.lr or (3e-3 if tiny else defaults["lr"])
+    args.lr = args.lr or (6e-3 if tiny else defaults["lr"])
     args.eval_steps = args.eval_steps or (50 if tiny else 100)
-    args.max_new_tokens = args.max_new_tokens or (48 if tiny else 256)
+    args.max_new_tokens = args.max_new_tokens or (96 if tiny else 256)
     args.baseline_eval = args.baseline_eval or tiny
 
 
@@ -208,16 +210,28 @@ def recipe_for(args) -> Recipe:
     else:
         device = torch.device("cpu")
         if args.model != TINY and not args.estimate_memory:
-            print("warning: MPS is not available; training on the CPU (slow for a 1.5B model)", file=sys.stderr)
+            print(f"warning: MPS is not available; training on the CPU (slow for {model_size_text(args)})",
+                  file=sys.stderr)
     return Recipe(device=device, empty_cache_every=5 if device.type == "mps" else 0)
+
+
+def model_size_text(args) -> str:
+    """'a 135M model', 'a 1.54B model': the size from config.json (a local directory, a cached
+    download, or the built-in copy for the named models); 'a model of unknown size' otherwise."""
+    try:
+        n = count_params(llama.config_for_estimate(args.model, args.cache_dir))
+    except (UserError, OSError, ValueError, KeyError, TypeError):
+        return "a model of unknown size"
+    return f"a {n / 1e9:.3g}B model" if n >= 1e9 else f"a {n / 1e6:.0f}M model"
 
 
 # --- 2. data: the judge set, its chat-template rendering, the loss on the answer only ---------------
 # The embedded judge set (used when --data_dir is not given) is synthetic and exactly gradable: an
 # English sentence of 10 words, its word-for-word Portuguese reference, and a candidate translation that
-# left k of the 10 words untranslated; the right answer is `Score: {10 - k}/10` with feedback naming
-# those words. (Untranslated words, rather than wrong Portuguese ones, keep the task within reach of the
-# 2-layer demo model in minutes of CPU.) data/make_judge_set.py writes it out in the --data_dir format.
+# left k of the 10 words untranslated; the right answer is feedback that goes through the translation
+# word by word, counting the translated words, then `Score: {10 - k}/10` (judge_answer). (Untranslated
+# words, rather than wrong Portuguese ones, keep the task within reach of the 2-layer demo model in
+# minutes of CPU.) data/make_judge_set.py writes it out in the --data_dir format.
 EN_PT = [("the", "o"), ("a", "um"), ("cat", "gato"), ("dog", "cão"), ("house", "casa"), ("book", "livro"),
          ("water", "água"), ("bread", "pão"), ("red", "vermelho"), ("big", "grande"), ("small", "pequeno"),
          ("eats", "come"), ("sees", "vê"), ("has", "tem"), ("and", "e"), ("with", "com"), ("in", "em"),
@@ -239,11 +253,27 @@ def judge_example(rng: random.Random, score_fn=None) -> dict:
     wrong = sorted(rng.sample(range(SENTENCE_WORDS), k))
     candidate = [source[i] if i in wrong else reference[i] for i in range(SENTENCE_WORDS)]
     score = SENTENCE_WORDS - k if score_fn is None else score_fn(k, rng)
-    feedback = ("The translation matches the reference." if not wrong else
-                "Untranslated: " + ", ".join(candidate[i] for i in wrong) + ".")
     user = PROMPT.format(source=" ".join(source), candidate=" ".join(candidate), reference=" ".join(reference))
     return {"messages": [{"role": "user", "content": user},
-                         {"role": "assistant", "content": f"Score: {score}/10\nFeedback: {feedback}"}]}
+                         {"role": "assistant", "content": judge_answer(candidate, wrong, score)}]}
+
+
+def judge_answer(candidate: list, wrong: list, score) -> str:
+    """The reference answer: feedback first, the translation word by word, each translated word numbered
+    as it comes and each untranslated one marked, then the score: `Feedback: sea (English), carro (1),
+    ..., has (English): 2 of 10 words translated.` and `Score: 2/10` on the next line. The order is the lesson:
+    a judge that must write its score first has to count before it has looked, and learns the
+    feedback's easy wording instead (the loss falls, the scores stay wrong: the score's digit is 4% of
+    the answer's tokens). Written after the walk, each step is one word, and the score is the last
+    number again (counting the untranslated words instead would leave a subtraction, 10 - n, to learn)."""
+    parts, n = [], 0
+    for i, word in enumerate(candidate):
+        if i in wrong:
+            parts.append(f"{word} (English)")
+        else:
+            n += 1
+            parts.append(f"{word} ({n})")
+    return f"Feedback: {', '.join(parts)}: {n} of {len(candidate)} words translated.\nScore: {score}/10"
 
 
 def embedded_judge_set(seed: int = 0, sizes: dict = None) -> dict:
@@ -252,9 +282,10 @@ def embedded_judge_set(seed: int = 0, sizes: dict = None) -> dict:
     return {split: [judge_example(rng) for _ in range(n)] for split, n in (sizes or SPLIT_SIZES).items()}
 
 
-# The answer format: a score out of 10, then free-text feedback.
+# The answer format: free-text feedback and a score out of 10, in either order (the embedded set puts
+# the feedback first); the score is found anywhere in the answer.
 SCORE_RE = re.compile(r"Score:\s*(\d+(?:\.\d+)?)\s*/\s*10(?!\d)", re.IGNORECASE)
-FEEDBACK_RE = re.compile(r"Feedback:\s*(.+)", re.IGNORECASE | re.DOTALL)
+FEEDBACK_RE = re.compile(r"Feedback:\s*(.+?)\s*(?:\n\s*Score:.*)?$", re.IGNORECASE | re.DOTALL)
 
 
 def parse_score(text: str):
@@ -264,7 +295,8 @@ def parse_score(text: str):
 
 
 def parse_feedback(text: str) -> str:
-    """The text after `Feedback:`, or the whole text when there is no such marker."""
+    """The text after `Feedback:` (up to a `Score:` line that follows it), or the whole text when there
+    is no such marker."""
     m = FEEDBACK_RE.search(text)
     return m.group(1).strip() if m else text.strip()
 
@@ -383,10 +415,14 @@ def collate(encoded: list, pad_id: int, device=None):
 
 def answer_loss(model, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     """Mean next-token cross-entropy over the answer tokens (position t predicts token t + 1; the prompt
-    and the padding, labelled -100, count for nothing). The model computes it from its last hidden
-    states chunk by chunk (lib/lm_loss), so the [tokens, vocabulary] logits never exist at once: for
+    and the padding, labelled -100, count for nothing). The head makes logits only at the positions
+    that predict an answer token (the prompt's positions need none: on SmolLM2 that halves the head's
+    work), chunk by chunk (lib/lm_loss), so the [tokens, vocabulary] logits never exist at once: for
     2 x 512 tokens of Qwen2's 151,936-word vocabulary they would be 622 MB in fp32, before their gradient."""
-    return model(ids, labels=labels)
+    hidden = model.hidden_states(ids)
+    targets = lm_loss.shift_labels(labels)
+    answer = targets != -100  # the head's logits only where a token is learned: half the rows are prompt
+    return lm_loss.head_loss(hidden[answer], model.lm_head, targets[answer])
 
 
 def epoch_order(n: int, seed: int, epoch: int) -> list:
@@ -657,6 +693,7 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
                     log(f"early stopping: no improvement of {args.min_delta} in {args.patience} validations")
                     break
                 checkpoint()
+            t_step = time.perf_counter()
             epoch, i = divmod(step, steps_per_epoch)
             order = epoch_order(len(train_enc), args.seed, epoch)
             lr = optim.lr_at(step, args.lr, warmup, total_steps, 0.1)
@@ -692,6 +729,13 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
             record = dict(step=step, epoch=epoch, loss=loss_sum, lr=lr, grad_norm=grad_norm)
             if skipped:
                 record["skipped"] = True
+            if speed.steady_steps == 0 and progress.step < total_steps:  # this invocation's first step
+                devices.synchronize(device)
+                first = time.perf_counter() - t_step
+                if first >= 1.0:  # a long step: say what the run will take before the first progress line
+                    log(f"first step: {first:.1f} s (warm-up included); at that pace the {total_steps - progress.step} "
+                        f"steps left take about {metrics.format_seconds(first * (total_steps - progress.step))}, "
+                        f"validations and the test evaluation aside")
             if step % args.log_interval == 0 or progress.step == total_steps:
                 devices.synchronize(device)
                 tok_s, _, eta = speed.report(progress.step)
@@ -841,12 +885,24 @@ def judge_metrics(pred_texts: list, ref_texts: list) -> dict:
     return out
 
 
-def constant_predictor_mae(train_answers: list, test_answers: list) -> float:
-    """MAE of always answering the training set's median score: the bar a judge must clear to have
-    learned anything from the inputs."""
+def constant_guess(train_answers: list, test_answers: list) -> dict:
+    """{"score": the training set's median score, "mae": the MAE of answering it to every test
+    conversation}: the bar a judge must clear to have learned anything from the inputs. (A judge that
+    never reads the translation does best, in MAE, by always answering the median.)"""
     train = [s for s in map(parse_score, train_answers) if s is not None]
     test = [s for s in map(parse_score, test_answers) if s is not None]
-    return mae([float(np.median(train))] * len(test), test)
+    median = float(np.median(train))
+    return {"score": median, "mae": mae([median] * len(test), test)}
+
+
+def constant_predictor_mae(train_answers: list, test_answers: list) -> float:
+    return constant_guess(train_answers, test_answers)["mae"]
+
+
+def beats_constant(m: dict, const: dict) -> bool:
+    """The judge has learned something: a lower MAE than the constant guess, with a score in at least
+    half of its answers (an MAE over the few answers that parse flatters a judge that mostly fails)."""
+    return m["mae"] is not None and m["mae"] < const["mae"] and 2 * m["n_scored"] >= m["n"]
 
 
 def evaluate_judge(model, tok, conversations: list, device, amp, max_new_tokens: int, log=print):
@@ -859,12 +915,15 @@ def evaluate_judge(model, tok, conversations: list, device, amp, max_new_tokens:
     return judge_metrics(answers, refs), predictions
 
 
-def format_metrics(m: dict) -> str:
+def format_metrics(m: dict, const: dict = None) -> str:
+    """The evaluation line; with const, the constant guess's MAE beside the judge's."""
+    guess = "" if const is None else (f"; a constant guess (the training median, {const['score']:g}) has MAE "
+                                      f"{const['mae']:.3f}")
     if m["mae"] is None:
-        return f"no parseable score in {m['n']} answers"
+        return f"no parseable score in {m['n']} answers{guess}"
     return (f"MAE {m['mae']:.3f}, RMSE {m['rmse']:.3f}, Cohen's kappa {m['cohen_kappa']:.3f}, Pearson r "
             f"{m['pearson_r']:.3f}, ROUGE-L F1 {m['rouge_l_f1']:.3f} ({m['n_scored']}/{m['n']} scored, "
-            f"{m['unparseable']} unparseable)")
+            f"{m['unparseable']} unparseable){guess}")
 
 
 # --- run: the steps above, in order --------------------------------------------------------------------
@@ -950,16 +1009,18 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
              optimizer=recipe.optimizer, amp=str(recipe.amp), checkpointing=recipe.checkpointing,
              model_dir=model_dir, lora=dict(r=r, alpha=alpha, dropout=LORA_DROPOUT, targets=LORA_TARGETS),
              n_trainable=n_lora, n_params=n_total, total_steps=total_steps, args=vars(args))
-    result = {"model": model, "tokenizer": tok, "estimate": estimate, "total_steps": total_steps}
+    # The bar every judge is measured against: always answering the training set's median score.
+    const = constant_guess([c[-1]["content"] for c in train_set], [c[-1]["content"] for c in test_set])
+    result = {"model": model, "tokenizer": tok, "estimate": estimate, "total_steps": total_steps,
+              "constant_guess": const, "constant_mae": const["mae"]}
 
     # The untrained judge on the test set (LoRA B is zero, so this is the base), for comparison.
     if args.baseline_eval and not args.skip_eval and state is None and not args.adapter:
         log("evaluating the untrained judge (the base model) on the test set")
         before, _ = evaluate_judge(model, tok, test_set, device, recipe.amp, args.max_new_tokens, log)
-        const = constant_predictor_mae([c[-1]["content"] for c in train_set], [c[-1]["content"] for c in test_set])
-        log(f"untrained judge: {format_metrics(before)}; a constant answer (the training median) has MAE {const:.3f}")
-        mlog.log(event="baseline", constant_mae=const, **before)
-        result.update(baseline=before, constant_mae=const)
+        log(f"untrained judge: {format_metrics(before, const)}")
+        mlog.log(event="baseline", constant_mae=const["mae"], **before)
+        result.update(baseline=before)
 
     # --- 5. and 6. train, keeping the best adapter and the state in --output_dir ----------------------
     base_name = model_dir if tiny else args.model
@@ -980,12 +1041,20 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
         log(f"evaluating the {'fine-tuned' if total_steps or args.adapter else 'untrained'} judge on "
             f"{len(test_set)} test conversations (greedy)")
         after, predictions = evaluate_judge(model, tok, test_set, device, recipe.amp, args.max_new_tokens, log)
-        save_json(os.path.join(args.output_dir, PREDICTIONS), predictions)
-        log(f"judge: {format_metrics(after)}")
+        save_json(os.path.join(args.output_dir, PREDICTIONS),
+                  {"metrics": after, "constant_guess": const, "beats_constant": beats_constant(after, const),
+                   "predictions": predictions})
+        log(f"judge: {format_metrics(after, const)}")
+        if not beats_constant(after, const):
+            log(f"warning: the judge does no better than always answering {const['score']:g} (MAE "
+                + (f"{after['mae']:.3f}" if after["mae"] is not None else "-") + f" against {const['mae']:.3f}"
+                + (f", {after['unparseable']} of {after['n']} answers without a score" if after["unparseable"] else "")
+                + "): it has not learned to grade; train on more conversations or for more epochs")
         if "baseline" in result and result["baseline"]["mae"] is not None and after["mae"] is not None:
             log(f"MAE {result['baseline']['mae']:.3f} untrained -> {after['mae']:.3f} fine-tuned "
-                f"(constant answer: {result['constant_mae']:.3f})")
-        mlog.log(event="test", **after)
+                f"(constant guess: {const['mae']:.3f})")
+        mlog.log(event="test", constant_mae=const["mae"], constant_score=const["score"],
+                 beats_constant=beats_constant(after, const), **after)
         result.update(test=after, predictions=predictions)
     peak = devices.peak_memory_bytes(device)
     log(format_table(estimate, peak, f"measured ({devices.memory_label(device)})"))
@@ -996,7 +1065,7 @@ def fine_tune(args, run_dir, recipe: Recipe, log=print) -> dict:
 
 
 # --- the offline demo's base: --model tiny ---------------------------------------------------------------
-TINY_VERSION = "tiny-judge-v2"  # bump when the recipe below changes, so a stale cached base is rebuilt
+TINY_VERSION = "tiny-judge-v5"  # bump when the recipe below changes, so a stale cached base is rebuilt
 TINY_SHAPE = dict(model_type="qwen2", hidden_size=64, intermediate_size=192, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=True)
 TINY_PRETRAIN = dict(steps=150, batch_size=16, lr=3e-3, examples=2400, seed=1234)

@@ -20,7 +20,9 @@ import json
 import math
 import os
 import pathlib
+import re
 import resource
+import shutil
 import signal
 import sys
 import sysconfig
@@ -93,6 +95,9 @@ def make_parser():
     add("--out-dir", default="out/onefile_train", help="checkpoint, training state and metrics")
     add("--resume", action="store_true", help="continue the run saved in --out-dir")
     add("--overwrite", action="store_true", help="replace a run saved in --out-dir with a fresh one")
+    add("--auto-resume", action="store_true", help="--resume if --out-dir holds a saved run, else start one (the "
+        "command line for torchrun --max-restarts and requeued jobs)")
+    add("--keep-last", type=positive_int, default=1, help="complete checkpoints kept in OUT/checkpoints")
     add("--force", action="store_true", help="run even when the memory estimate exceeds the device's")
     add("--eval-interval", type=positive_int, default=100, help="steps between validation losses")
     add("--eval-batches", type=positive_int, default=10, help="batches per validation loss")
@@ -111,28 +116,56 @@ CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "be
               "eval_interval", "eval_batches", "save_interval", "log_interval")
 
 
+def committed(out_dir):  # OUT/checkpoints/step-N, newest first (step-N.2: the same step saved again)
+    root = os.path.join(out_dir, "checkpoints")
+    names = [n for n in os.listdir(root) if re.fullmatch(r"step-\d+(\.\d+)?", n)] if os.path.isdir(root) else []
+    return [os.path.join(root, n) for n in sorted(names, key=lambda n: [int(x) for x in n[5:].split(".")] + [1])[::-1]]
+
+
 def check_run_dir(args, argv, options, log):
-    """A saved run is continued (--resume) or replaced (--overwrite), never silently; the saved state or None."""
-    if args.resume and args.overwrite:
+    """A saved run is continued (--resume) or replaced (--overwrite), never silently; the saved state or None.
+    A saved run is its newest complete checkpoint (lib/rundir.py: a damaged one is skipped for the one before)."""
+    if (args.resume or args.auto_resume) and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
-    found = [name for name in SAVED if os.path.exists(os.path.join(args.out_dir, name))]
+    has_root = os.path.isdir(os.path.join(args.out_dir, "checkpoints"))  # files without a commit: a first save cut short
+    found = [n for n in SAVED if os.path.exists(os.path.join(args.out_dir, n))] if not has_root else committed(args.out_dir)
+    if args.auto_resume and not args.resume:
+        args.resume = bool(found)
+        log(f"--auto-resume: continuing the run saved in {args.out_dir}" if found else
+            f"--auto-resume: {args.out_dir} holds no saved run; starting a new one")
     if not args.resume:
         if found and not (args.overwrite or args.estimate_memory):
             raise UserError(f"{args.out_dir} already holds a saved run ({', '.join(found)}); pass --resume to "
                             f"continue it, --overwrite to replace it, or another --out-dir")
         return None
-    path = os.path.join(args.out_dir, "training_state.pt")  # config.json is for others: this program only writes it
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=True)  # a pickle that cannot run code
-        saved, path = json.loads(state["args"]), os.path.join(args.out_dir, "model.safetensors")
-        weights_step = int(safe_open(path, framework="pt").metadata()["step"])  # the header, checked for its length
-    except FileNotFoundError:
-        raise UserError(f"--resume: {path} does not exist; run without --resume first") from None
-    except Exception as error:  # truncated, garbled, foreign: which file, not where its reader failed
-        raise UserError(f"{path} is damaged ({type(error).__name__}); restore it, or start anew: --overwrite") from None
-    if weights_step != state["step"]:
-        raise UserError(f"--resume: the weights in {args.out_dir} are from step {weights_step}, the training state "
-                        f"from step {state['step']}: the save was interrupted; start again with --overwrite")
+    errors = []
+    for folder in committed(args.out_dir) or [args.out_dir]:  # a run saved before checkpoints/: its top level
+        path = os.path.join(folder, "training_state.pt")  # config.json is for others: this program only writes it
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True)  # a pickle that cannot run code
+            saved, path = json.loads(state["args"]), os.path.join(folder, "model.safetensors")
+            weights_step = int(safe_open(path, framework="pt").metadata()["step"])  # the header, checked for its length
+            if weights_step != state["step"]:
+                raise UserError(f"--resume: the weights in {folder} are from step {weights_step}, the training state "
+                                f"from step {state['step']}: the save was interrupted; start again with --overwrite")
+            break
+        except FileNotFoundError:
+            errors.append(UserError(f"--resume: {path} does not exist; run without --resume first"))
+        except UserError as error:
+            errors.append(error)
+        except Exception as error:  # truncated, garbled, foreign: which file, not where its reader failed
+            errors.append(UserError(f"{path} is damaged ({type(error).__name__}); restore it, or start anew: "
+                                    f"--overwrite"))
+        log(f"--resume: skipping the checkpoint {folder}: {str(errors[-1]).split(';')[0]}")
+    else:
+        raise errors[0]
+    for name in SAVED if folder != args.out_dir else ():  # the top of OUT made that checkpoint again (hard links)
+        top = os.path.join(args.out_dir, name)
+        if not (os.path.exists(top) and os.path.samefile(top, os.path.join(folder, name))):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(f"{top}.tmp-{os.getpid()}")
+            os.link(os.path.join(folder, name), f"{top}.tmp-{os.getpid()}")
+            os.replace(f"{top}.tmp-{os.getpid()}", top)
     given = {options[arg.split("=")[0]].dest for arg in argv if arg.split("=")[0] in options}
     for key in (key for key in FIXED + CHANGEABLE if key in saved):
         flag = "--" + key.replace("_", "-")
@@ -372,7 +405,7 @@ def hf_layout(tensors):  # (name, tensor) pairs from our layout to transformers'
     return {name: (tensor.t() if name.endswith(CONV1D_NAMES) else tensor).contiguous() for name, tensor in tensors}
 
 
-def save_checkpoint(out_dir, model, optimizer, step, args, first_val):
+def save_checkpoint(out_dir, model, optimizer, step, args, first_val, keep_last=1):
     """Weights in the HF layout, then the state --resume needs. step = the next step to run."""
     def atomic_write(name, write):  # to a temporary name, then renamed: the old file or the new, never half of one
         path = os.path.join(out_dir, name)
@@ -393,6 +426,22 @@ def save_checkpoint(out_dir, model, optimizer, step, args, first_val):
              "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
              "args": json.dumps(vars(args)), "first_val_loss": first_val}  # "started at" after a resume
     atomic_write("training_state.pt", lambda tmp: torch.save(state, tmp))
+    # The commit: three renames are not one, and a crash between two of them would leave the weights of one step
+    # beside the state of another. So the three files are hard-linked (no bytes copied) into a staging folder, which
+    # ONE rename makes OUT/checkpoints/step-N: before it the previous checkpoint is the complete one, after it this
+    # one. The links keep each file whole when the next save replaces the top of OUT. Older checkpoints go last.
+    root = os.path.join(out_dir, "checkpoints")
+    name, again = f"step-{step:06d}", 1
+    while os.path.exists(os.path.join(root, name + (f".{again}" if again > 1 else ""))):
+        again += 1
+    staging, name = os.path.join(root, f".{name}.tmp-{os.getpid()}"), name + (f".{again}" if again > 1 else "")
+    shutil.rmtree(staging, ignore_errors=True)
+    os.makedirs(staging)
+    for file in SAVED:
+        os.link(os.path.join(out_dir, file), os.path.join(staging, file))
+    os.rename(staging, os.path.join(root, name))  # THE COMMIT POINT
+    for old in committed(out_dir)[keep_last:] + [os.path.join(root, n) for n in os.listdir(root) if ".tmp-" in n]:
+        shutil.rmtree(old, ignore_errors=True)
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -445,7 +494,13 @@ def run(args, parser, argv):
 
     # --- the process group, data, model and optimiser (with --resume: the saved weights, moments, RNG) ------
     if world > 1:  # the ranks meet: nccl between GPUs, gloo between CPU processes
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # After torchrun --max-restarts starts the group again, its store still holds the dead launch's keys:
+        # each launch meets under its own prefix (lib/distributed.restart_store).
+        launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+        store = {} if not launch else {"rank": rank, "world_size": world, "store": dist.PrefixStore(
+            f"byhand/launch-{launch}", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                                                     is_master=False))}
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", **store)
         # At exit, while Python is whole, the group goes, and the DDP model holding it (cyclic garbage): a gloo
         # group freed as the interpreter shuts down can abort with "terminate called without an active exception".
         atexit.register(lambda: (dist.is_initialized() and dist.destroy_process_group(), gc.collect()))
@@ -504,13 +559,16 @@ def run(args, parser, argv):
         if bad:  # found by every rank alike: the ranks hold the same weights
             raise diverged(f"weights are not finite at step {step} ({len(bad)}, e.g. {bad[0]}); nothing was saved")
         if rank == 0:
-            save_checkpoint(args.out_dir, raw_model, optimizer, step, args, first_val)
+            save_checkpoint(args.out_dir, raw_model, optimizer, step, args, first_val, args.keep_last)
         last_saved = step
 
     # --- training loop ----------------------------------------------------------------------------
     for name in (*SAVED, "metrics.jsonl") if train_state is None and rank == 0 else ():
         with contextlib.suppress(FileNotFoundError):  # the first write: only now does --overwrite clear the old run
             os.remove(os.path.join(args.out_dir, name))
+    if train_state is None and rank == 0:
+        shutil.rmtree(os.path.join(args.out_dir, "checkpoints"), ignore_errors=True)
+    os.makedirs(os.path.join(args.out_dir, "checkpoints"), exist_ok=True)
     log_metrics(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
                 n_params=n_params, config=vars(cfg), args=vars(args))
     last_time, last_step, steady_since = time.perf_counter(), start_step, None  # ETA: steps after the warm-up one
@@ -519,9 +577,16 @@ def run(args, parser, argv):
     skipped_in_a_row = 0  # updates skipped for a non-finite gradient: 10 in a row stop the run
     # Under torchrun, Ctrl-C reaches each rank at another point (one inside an all-reduce the others never reach),
     # so it only sets a flag, which the ranks agree on after each step (and a second Ctrl-C cannot stop the save).
+    # SIGTERM (a scheduler's "stop", some seconds before its SIGKILL) saves the same way, and exits 143, not 130.
     ctrl_c = []
+
+    def on_sigterm(*_):
+        ctrl_c.append(signal.SIGTERM)
+        if world == 1:
+            raise KeyboardInterrupt
+    signal.signal(signal.SIGTERM, on_sigterm)
     if world > 1:
-        signal.signal(signal.SIGINT, lambda *_: ctrl_c.append(True))
+        signal.signal(signal.SIGINT, lambda *_: ctrl_c.append(signal.SIGINT))
     try:
         for step in range(start_step, args.steps):
             if step % args.eval_interval == 0:
@@ -562,17 +627,23 @@ def run(args, parser, argv):
                 log(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tokens_per_s:8,.0f} tok/s | "
                     f"mem {record['peak_memory'] / 2**20:,.0f} MiB | ETA {f'{eta / 60:.1f} min' if eta >= 0 else '?'}")
             log_metrics(**record)
-            if world > 1 and across_ranks(torch.tensor(float(bool(ctrl_c)), device=device), dist.ReduceOp.MAX).item():
-                raise KeyboardInterrupt  # on every rank after the same step, once any rank saw Ctrl-C
+            stop = world > 1 and across_ranks(torch.tensor(float(max(ctrl_c, default=0)), device=device), dist.ReduceOp.MAX)
+            if stop:  # the ranks agree on the signal too (SIGTERM, 15, outranks SIGINT, 2)
+                ctrl_c.append(int(stop.item()))
+                raise KeyboardInterrupt  # on every rank after the same step, once any rank saw Ctrl-C or SIGTERM
             if next_step % args.save_interval == 0 and next_step < args.steps:
                 save(next_step)
     except KeyboardInterrupt:  # save exactly the updates made so far: --resume neither skips nor repeats one
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal cannot cut the save short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        terminated = signal.SIGTERM in ctrl_c
         save(next_step)
-        log(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
+        log(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: saved step {next_step} to {args.out_dir}; "
+            f"continue with --resume (or --auto-resume)", file=sys.stderr)
         if world > 1:  # every rank arrives first: a gloo rank that tears down while a peer still works can abort
             dist.barrier()
             dist.destroy_process_group()
-        sys.exit(130)  # the shell's code for Ctrl-C (torchrun itself then ends with a traceback and status 1)
+        sys.exit(143 if terminated else 130)  # the shell's codes for SIGTERM and Ctrl-C
     if 0 < skipped_in_a_row == next_step - start_step:  # every update was skipped: nothing was trained
         raise diverged("no update was applied: each was skipped for a non-finite gradient")
 

@@ -175,6 +175,7 @@ RUN = rundir.Spec(
     optional=(checkpoint.CONFIG, checkpoint.WEIGHTS),  # the export: none with --no-export, or before the end
     written=(rundir.METRICS, SHARDED),
     state_file=os.path.join(SHARDED, LATEST),
+    checkpoint=(SHARDED, checkpoint.CONFIG, checkpoint.WEIGHTS),  # a commit takes the whole sharded/ folder
     fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
            "batch_size"),
     # grad_accum may change only with the number of ranks, so that batch x grad_accum x world, the global batch, stays
@@ -387,31 +388,42 @@ def evaluate(model, batches, n_batches, device):
 
 def save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates):
     """Every rank writes its own shard of the weights and AdamW state (torch.distributed.checkpoint);
-    then rank 0 points latest.json at the new directory and removes the older ones. step = the next step
-    to run. Shards holding NaN or inf are never saved: every rank stops, naming the last finite save.
+    then rank 0 points latest.json at the new directory, removes the older ones and commits. step = the
+    next step to run. Shards holding NaN or inf are never saved: every rank stops, naming the last
+    finite save.
 
-    latest.json is written last and atomically, so a save cut short leaves the previous one in charge.
+    The shards go to sharded/step-N.tmp and are renamed step-N only once every rank has written all of
+    its files, so a folder half-written is never named like a whole one; latest.json follows, and
+    rundir.commit makes the save one checkpoint (OUT/checkpoints/step-N), so a save cut short at any
+    instant leaves the previous checkpoint whole.
     """
     root = os.path.join(run_dir.out_dir, SHARDED)
     check_finite_shards(model, step, updates.last_saved, root)
     name = f"step-{step:06d}"
-    path = os.path.join(root, name)
-    if dist.get_rank() == 0 and os.path.isdir(path):
-        shutil.rmtree(path)  # left by an earlier run in this --out-dir
+    path, staging = os.path.join(root, name), os.path.join(root, f"{name}.tmp")
+    if dist.get_rank() == 0 and os.path.isdir(staging):
+        shutil.rmtree(staging)  # left by a save cut short
     dist.barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)  # DTensors: each rank's slice plus where it sits
     del model_sd[TIED]  # the same tensor as transformer.wte.weight; store it once
-    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=path)
+    checkpoint.fault_point(f"write {name} shards")
+    dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
     # Each rank's generator draws its own dropout masks; the data order needs no state (it is the step).
-    torch.save(torch.get_rng_state(), os.path.join(path, f"rng-rank{dist.get_rank()}.pt"))
-    dist.barrier()
+    checkpoint.fault_point(f"write rng-rank{dist.get_rank()}.pt")
+    torch.save(torch.get_rng_state(), os.path.join(staging, f"rng-rank{dist.get_rank()}.pt"))
+    dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
+        if os.path.isdir(path):
+            shutil.rmtree(path)  # the same step saved before: its files live on in OUT/checkpoints
+        checkpoint.fault_point(f"rename {name}.tmp")
+        os.replace(staging, path)
         checkpoint.save_json(os.path.join(root, LATEST), {
             "step": step, "checkpoint": name, "world_size": dist.get_world_size(), "config": vars(cfg),
             "args": vars(args), "data_sha256": run_dir.fingerprints, "first_val_loss": first_val})
         for old in os.listdir(root):
             if old.startswith("step-") and old != name:
                 shutil.rmtree(os.path.join(root, old), ignore_errors=True)
+        rundir.commit(run_dir, args, step)
     updates.saved(step)
 
 

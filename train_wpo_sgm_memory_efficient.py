@@ -117,7 +117,7 @@ def build_parser():
                    help="steps between checkpoints (and one at the end)")
     g.add_argument("--num-samples", "--num_samples", dest="num_samples", type=guards.nonneg_int, default=2000,
                    help="samples drawn at the end into samples.npy and the picture (CIFAR: 64 in the picture)")
-    guards.add_safety_flags(p)
+    guards.add_safety_flags(p, snake=True)
     return p
 
 

@@ -6,6 +6,9 @@
 The judge scripts generate the same set in memory when --data_dir is not given (judge_train_mps.py,
 embedded_judge_set); this script is for reading it, editing it, or using it as a template for
 your own data: each file is a list of {"messages": [{"role": "user", ...}, {"role": "assistant", ...}]}.
+The assistant's answer must hold its score as `Score: X/10` (X from 0 to 10), anywhere in the text:
+the embedded set writes the feedback first and the score on the last line, the order a judge learns
+best (reasoning, then verdict); answers with the score first are read the same way.
 """
 
 import argparse

@@ -3,12 +3,15 @@
 Used by train.py, train_fsdp.py and the fine-tuning scripts. The one idea: a checkpoint is two
 things with different audiences. config.json + model.safetensors (transformers' names and layouts)
 is the model, which anyone can load; training_state.pt (optimizer moments, step, RNG states) is
-only for --resume. Every file is written to a temporary name and renamed into place, so a crash or
-Ctrl-C mid-write never leaves a torn checkpoint where the last good one used to be.
+only for --resume. Every file is written to a temporary name, flushed to disk and renamed into place,
+so a crash mid-write never leaves a torn file. A torn *checkpoint* (the weights of one step beside the
+training state of another, when a crash falls between two renames) is a different matter: a save is made
+whole by one commit point, lib/rundir.commit (docs/crash_safe_checkpoints.md).
 """
 
 import json
 import os
+import signal
 
 import torch
 from safetensors import SafetensorError
@@ -22,14 +25,59 @@ WEIGHTS = "model.safetensors"
 STATE = "training_state.pt"
 
 
+# Fault injection, for tests/test_faults.py: every write and rename of a save calls fault_point(what)
+# first ("write model.safetensors", "rename training_state.pt", "commit step-000004"...). BYHAND_CRASH_AT=P
+# in the environment kills this process with SIGKILL at the point P: the P-th point when P is a number,
+# else the first point whose name starts with P. Nothing runs after it (no finally, no atexit, no flush),
+# as when the OOM killer or a scheduler strikes. Under torchrun only the rank BYHAND_CRASH_RANK (default
+# 0) is killed. BYHAND_FAULT_LOG=FILE appends each point's name to FILE, to list them. Without either
+# variable fault_point costs two dictionary lookups.
+CRASH_AT, FAULT_LOG = "BYHAND_CRASH_AT", "BYHAND_FAULT_LOG"
+_faults_seen = [0]
+
+
+def fault_point(what: str):
+    if CRASH_AT not in os.environ and FAULT_LOG not in os.environ:
+        return
+    if os.environ.get("RANK", "0") != os.environ.get("BYHAND_CRASH_RANK", "0"):
+        return
+    _faults_seen[0] += 1
+    if os.environ.get(FAULT_LOG):
+        with open(os.environ[FAULT_LOG], "a") as f:
+            f.write(f"{_faults_seen[0]}\t{what}\n")
+    want = os.environ.get(CRASH_AT, "")
+    if want and (want == str(_faults_seen[0]) if want.isdigit() else what.startswith(want)):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def fsync(path: str):
+    """Ask the OS to put path (a file or a directory) on the disk now. A process killed outright loses
+    nothing the kernel already has; a machine that loses power loses what is not on the disk yet, and
+    a rename can reach the disk before the bytes it names unless they were synced first."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    except OSError:  # some file systems cannot sync a directory; the rename is still atomic
+        pass
+    finally:
+        os.close(fd)
+
+
 def atomic_write(path: str, write):
-    """Call write(tmp_path), then rename tmp_path over path (atomic on POSIX and Windows)."""
+    """Call write(tmp_path), sync it, then rename tmp_path over path (atomic on POSIX and Windows).
+
+    The file at path is always either the old one, whole, or the new one, whole. A rename replaces the
+    name, not the bytes: whoever still holds the old file (a hard link in a committed checkpoint,
+    lib/rundir.commit) keeps it unchanged."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
+        fault_point(f"write {os.path.basename(path)}")
         write(tmp)
+        fsync(tmp)
         # Some writers (safetensors) create their file as 0600; give it the mode open() would: 0666 - umask.
         os.chmod(tmp, 0o666 & ~current_umask())
+        fault_point(f"rename {os.path.basename(path)}")
         os.replace(tmp, path)
     finally:
         if os.path.exists(tmp):

@@ -6,6 +6,7 @@ variables; a script started with plain `python` sees none of them and runs as ra
 """
 
 import atexit
+import datetime
 import gc
 import os
 import signal
@@ -39,8 +40,25 @@ def setup(device_type: str) -> DistInfo:
     info = DistInfo(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     if device_type == "cuda":
         torch.cuda.set_device(info.local_rank)
-    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo")
+    dist.init_process_group(backend="nccl" if device_type == "cuda" else "gloo", **restart_store(info))
     return info
+
+
+def restart_store(info: DistInfo) -> dict:
+    """After torchrun --max-restarts starts the group again, a store of the new launch's own.
+
+    torchrun's agent keeps one key-value store for the whole job, and the ranks of every launch find
+    each other through it. The first launch's keys are still there when the second launch starts, and
+    (in torch 2.13 at least) the new ranks read the dead ranks' addresses from them and wait forever in
+    init_process_group. Prefixing every key with the launch's number (TORCHELASTIC_RESTART_COUNT) gives
+    each launch a clean namespace. The first launch, or a plain `python` run, uses torch's default."""
+    launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    if not launch or "MASTER_ADDR" not in os.environ:
+        return {}
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                          timeout=datetime.timedelta(minutes=10))
+    return {"store": dist.PrefixStore(f"byhand/launch-{launch}", store), "rank": info.rank,
+            "world_size": info.world_size}
 
 
 _leave_registered = False
@@ -101,23 +119,35 @@ def cleanup(info: DistInfo, wait: bool = True):
     # What still holds the group (a DDP model the caller keeps) goes at exit: leave_before_exit.
 
 
+# The signal that asked this process to stop: SIGINT (Ctrl-C) or SIGTERM (a scheduler), once one has.
+# lib/rundir.save_on_interrupt reads it for the exit code: 130 or 143.
+STOP = {"signal": None}
+
+
 def catch_ctrl_c(info: DistInfo) -> dict:
-    """Under torchrun, make Ctrl-C a request that the ranks agree on (see stop_requested), not an
-    exception that strikes each rank at a different point (one inside an all-reduce the others never
-    reach). The terminal's SIGINT and the copy torchrun forwards both only set the flag. A single
-    process keeps Python's KeyboardInterrupt, which stops it at once."""
-    flag = {"requested": False}
+    """Under torchrun, make Ctrl-C and SIGTERM a request that the ranks agree on (see stop_requested), not
+    an exception that strikes each rank at a different point (one inside an all-reduce the others never
+    reach). The terminal's SIGINT, the copy torchrun forwards, and a scheduler's SIGTERM (to every rank,
+    or forwarded by torchrun) only set the flag. A single process keeps Python's KeyboardInterrupt, and
+    lib/rundir.catch_sigterm's Terminated, which stop it at once."""
+    flag = {"requested": 0}
     if info.enabled:
-        signal.signal(signal.SIGINT, lambda *_: flag.update(requested=True))
+        def request(signum, frame):
+            flag["requested"] = max(flag["requested"], signum)  # SIGTERM (15) outranks SIGINT (2)
+        signal.signal(signal.SIGINT, request)
+        signal.signal(signal.SIGTERM, request)
     return flag
 
 
 def stop_requested(flag: dict, info: DistInfo, device) -> bool:
-    """True on every rank once any rank saw Ctrl-C: one tiny all-reduce per step, only under torchrun."""
+    """True on every rank once any rank saw Ctrl-C or SIGTERM: one tiny all-reduce per step, only under
+    torchrun. The ranks agree on the signal too (the largest number: SIGTERM), so all exit with one code."""
     if not info.enabled:
         return False
     t = torch.tensor(float(flag["requested"]), device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    if t.item():
+        STOP["signal"] = int(t.item())
     return bool(t.item())
 
 

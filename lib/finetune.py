@@ -329,10 +329,11 @@ def dtype_name(dtype) -> str:
 
 
 def save(run_dir, model, optimizer, step, base_dir, settings, first_val, amp, args, updates):
-    """training_state.pt first (LoRA matrices + optimizer + RNG, one atomic file, so --resume never
-    sees an adapter from one step and moments from another), then the adapter in the PEFT layout.
-    A and B holding a NaN or an infinity are never saved: the run stops with a UserError that names
-    the last step saved with finite weights (updates.last_saved; None: none was)."""
+    """training_state.pt (LoRA matrices + optimizer + RNG, one atomic file, so --resume never sees an
+    adapter from one step and moments from another), then the adapter in the PEFT layout, then the
+    commit that makes both one checkpoint (lib/rundir.commit). A and B holding a NaN or an infinity
+    are never saved: the run stops with a UserError that names the last step saved with finite
+    weights (updates.last_saved; None: none was)."""
     trainable = trainable_state(model)
     guards.check_finite_weights(trainable, step, updates.last_saved, run_dir.out_dir)
     rundir.save_state(run_dir, args, {
@@ -344,9 +345,10 @@ def save(run_dir, model, optimizer, step, base_dir, settings, first_val, amp, ar
         "lora": settings,
         "first_val_loss": first_val,
         "compute_dtype": dtype_name(amp),
-    })
+    }, commit_now=False)
     lora.save_adapter(model, run_dir.out_dir, {"base_model_name_or_path": args.init_from or base_dir,
                                                "target_modules": settings["targets"]})
+    rundir.commit(run_dir, args, step)
     updates.saved(step)
 
 

@@ -53,11 +53,19 @@ class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
-def add_safety_flags(parser):
+def add_safety_flags(parser, snake: bool = False):
+    """--overwrite and --force; --auto-resume and --keep-last (lib/rundir.py). snake: also accept
+    --auto_resume and --keep_last, in the scripts whose flags keep snake_case spellings."""
     parser.add_argument("--overwrite", action="store_true",
                         help="start a fresh run even if --out-dir already holds a saved one (it is replaced)")
     parser.add_argument("--force", action="store_true",
                         help="run even when the memory estimate exceeds what the device has free")
+    parser.add_argument("--auto-resume", *(["--auto_resume"] if snake else []), dest="auto_resume",
+                        action="store_true",
+                        help="continue the run saved in the output directory if there is one (as --resume), else "
+                             "start one: the command line for torchrun --max-restarts and requeued jobs")
+    parser.add_argument("--keep-last", *(["--keep_last"] if snake else []), dest="keep_last", type=positive_int,
+                        default=1, help="complete checkpoints kept in OUT/checkpoints (the newest ones)")
 
 
 def check_schedule_and_seed(args, seed_limit: int = 2**32):

@@ -7,21 +7,31 @@ files, the flags that make the run what it is, the flags a resume may change, it
 
 1. prepare(): the flags and --out-dir are checked; --resume and --overwrite together are refused; a
    fresh run into a directory that holds a saved run is refused unless --overwrite is given.
-   With --resume, every saved file is validated first (a damaged or missing one is one line and
+   --auto-resume is --resume when the directory holds a saved run and a fresh start when it holds
+   none: the one command line for torchrun --max-restarts, a requeued SLURM job or a restarted pod.
+   With --resume, the newest complete checkpoint is found and every one of its files validated first
+   (a damaged one is skipped, with one line, for the previous complete one; none left is one line and
    exit 2, and nothing has been written); flags not given take the saved values; a flag that would
    change what the run is, given with another value, is refused; the others are reported as
    changed; a data file that moved may be given again when its contents are the same (their sha256
    is kept in the training state, not just the path).
 2. begin(): only now, just before the first write, --overwrite removes the old run's files, and
    metrics.jsonl starts afresh (or, resumed, continues).
-3. save_state() and lib.checkpoint.atomic_write: every file is written to a temporary name and
-   renamed, so an interruption never tears one. guards.check_finite_weights comes first: weights
-   holding NaN or inf are never saved.
-4. save_on_interrupt(): Ctrl-C saves the updates made so far and exits 130.
+3. save_state() and commit(): every file is written to a temporary name and renamed (lib.checkpoint.
+   atomic_write), so no file is ever torn; but a save is several files, and a crash between two renames
+   would leave the weights of one step beside the state of another. So a save ends with one commit
+   point: the files are hard-linked into OUT/checkpoints/.step-N.tmp, which one rename makes
+   OUT/checkpoints/step-N. Until that rename the previous checkpoint is the complete one; after it, the
+   new one is. Older ones are then removed (--keep-last, default 1). The top of OUT keeps the files
+   where the scripts and transformers look for them; --resume puts them back from the checkpoint it
+   resumes. guards.check_finite_weights comes first: weights holding NaN or inf are never saved.
+4. save_on_interrupt(): Ctrl-C saves the updates made so far and exits 130; SIGTERM (what SLURM,
+   Kubernetes and spot machines send before SIGKILL) does the same and exits 143.
 5. Updates: an update skipped for a non-finite gradient is counted; MAX_SKIPPED in a row stop the
    run with a clear message, and a run that applied no update at all says so and exits non-zero.
 """
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -33,16 +43,18 @@ from typing import Callable
 
 import torch
 
-from lib import guards, metrics
-from lib.checkpoint import atomic_write
+from lib import distributed, guards, metrics
+from lib.checkpoint import atomic_write, fault_point, fsync
 from lib.errors import UserError
 
 STATE = "training_state.pt"
 METRICS = "metrics.jsonl"
+CHECKPOINTS = "checkpoints"  # OUT/checkpoints/step-000100: one complete checkpoint per folder
 MAX_SKIPPED = 10  # updates in a row skipped for a non-finite gradient before the run stops
 
 # Flags that say how to run this invocation, not what the run is: they never come from the saved run.
-PER_INVOCATION = ("out_dir", "output_dir", "resume", "overwrite", "force", "estimate_memory", "cache_dir", "device")
+PER_INVOCATION = ("out_dir", "output_dir", "resume", "auto_resume", "keep_last", "overwrite", "force", "estimate_memory",
+                  "cache_dir", "device")
 
 
 @dataclasses.dataclass
@@ -66,6 +78,9 @@ class Spec:
         Every flag of a script is fixed, changeable or local (tests/test_run_contract.py checks this).
     state_file: where the training state lives; its "args" holds the run's flags.
     out_flag: the flag that names the directory, for messages.
+    checkpoint: the files and directories (relative paths) a commit takes into a checkpoint folder;
+        by default the saved files. A directory is taken with every file under it (train_fsdp.py's
+        sharded/: latest.json and the DCP folder it names).
     """
     saved: dict
     fixed: tuple = ()
@@ -77,6 +92,7 @@ class Spec:
     local: tuple = ()
     state_file: str = STATE
     out_flag: str = "--out-dir"
+    checkpoint: tuple = ()
 
     @property
     def out_dest(self) -> str:
@@ -90,6 +106,7 @@ class Run:
     spec: Spec
     state: dict | None = None  # the saved training state (with --resume), already validated
     fingerprints: dict = dataclasses.field(default_factory=dict)
+    checkpoint_dir: str | None = None  # the committed checkpoint folder the run resumed from
 
     @property
     def resumed(self) -> bool:
@@ -112,37 +129,87 @@ def prepare(args, parser, argv, spec: Spec, log=print, writes: bool = True) -> R
 
     writes=False (for --estimate-memory, --dry-run) checks the paths but lets a run that will write
     nothing look at a saved directory. Nothing is written or removed here except that a missing
-    --out-dir is created (with a probe file: a read-only mount fails now, not after an hour).
+    --out-dir is created (with a probe file: a read-only mount fails now, not after an hour), and that
+    a resumed run's files at the top of the directory are put back from the checkpoint it resumes
+    (once every check has passed: a crash between two renames of a save leaves them mixed).
     """
     out_dir = getattr(args, spec.out_dest)
     resume, overwrite = getattr(args, "resume", False), getattr(args, "overwrite", False)
+    auto = getattr(args, "auto_resume", False)
     if resume and overwrite:
         raise UserError(f"--resume continues the run in {spec.out_flag} and --overwrite replaces it; pass one of them")
+    if auto and overwrite:
+        raise UserError(f"--auto-resume continues the run in {spec.out_flag} and --overwrite replaces it; pass one of "
+                        f"them")
     guards.check_output_dir(out_dir, spec.out_flag)
+    if auto and not resume:
+        # The command line for restarts: continue the saved run if there is one, else start one.
+        resume = args.resume = holds_saved_run(out_dir, spec)
+        log(f"--auto-resume: continuing the run saved in {out_dir}" if resume else
+            f"--auto-resume: {out_dir} holds no saved run; starting a new one")
     if not writes and not resume:
         return Run(out_dir, spec)
     if not resume:
-        found = [name for name in spec.saved if os.path.exists(os.path.join(out_dir, name))]
-        if found and not overwrite:
-            raise UserError(f"{out_dir} already holds a saved run ({', '.join(found)}); pass --resume to continue it, "
-                            f"--overwrite to replace it, or another {spec.out_flag}")
+        if holds_saved_run(out_dir, spec) and not overwrite:
+            found = [name for name in spec.saved if os.path.exists(os.path.join(out_dir, name))] or [CHECKPOINTS]
+            raise UserError(f"{out_dir} already holds a saved run ({', '.join(found)}); pass --resume (or "
+                            f"--auto-resume) to continue it, --overwrite to replace it, or another {spec.out_flag}")
         if writes:
             guards.make_output_dir(out_dir, spec.out_flag)
         return Run(out_dir, spec)
-    state = check_saved_run(out_dir, spec)
-    run = Run(out_dir, spec, state, dict(state.get("data_sha256") or {}))
+    where, state = check_saved_run(out_dir, spec, log)
+    run = Run(out_dir, spec, state, dict(state.get("data_sha256") or {}), checkpoint_dir=where)
     apply_saved_flags(run, args, parser, argv, log)
+    if writes and where != out_dir:
+        restore_top(out_dir, where, spec)
     return run
 
 
-def check_saved_run(out_dir: str, spec: Spec) -> dict:
-    """Every saved file validated before anything is written; returns the training state."""
-    state_path = os.path.join(out_dir, spec.state_file)
+def committed(out_dir: str) -> list:
+    """The committed checkpoint folders of OUT/checkpoints, newest first: step-000100 is step 100, and
+    step-000100.2 a second save of the same step (a run resumed at 100 and interrupted before a step)."""
+    root = os.path.join(out_dir, CHECKPOINTS)
+    found = []
+    for name in os.listdir(root) if os.path.isdir(root) else ():
+        step, _, again = name.removeprefix("step-").partition(".")
+        if name.startswith("step-") and step.isdigit() and (again == "" or again.isdigit()):
+            found.append((int(step), int(again or 1), os.path.join(root, name)))
+    return [path for _, _, path in sorted(found, reverse=True)]
+
+
+def holds_saved_run(out_dir: str, spec: Spec) -> bool:
+    """A committed checkpoint; or, in a directory saved before checkpoints/ existed, any saved file.
+    Files without a commit (a first save cut short) are not a saved run: nothing there can be continued."""
+    if os.path.isdir(os.path.join(out_dir, CHECKPOINTS)):
+        return bool(committed(out_dir))
+    return any(os.path.exists(os.path.join(out_dir, name)) for name in spec.saved)
+
+
+def check_saved_run(out_dir: str, spec: Spec, log=print):
+    """The newest checkpoint whose every file is sound -> (its folder, its training state). A damaged one
+    is skipped for the one before, with one line; when none is left, the newest one's fault is the error.
+    A directory saved before checkpoints/ existed is its own one checkpoint."""
+    folders = committed(out_dir)
+    if not folders:
+        return out_dir, check_checkpoint(out_dir, out_dir, spec)
+    first = None
+    for folder in folders:
+        try:
+            return folder, check_checkpoint(folder, out_dir, spec)
+        except UserError as e:
+            first = first or e
+            log(f"--resume: skipping the checkpoint {folder}: {str(e).split(';')[0]}")
+    raise first
+
+
+def check_checkpoint(folder: str, out_dir: str, spec: Spec) -> dict:
+    """Every saved file of one checkpoint validated before anything is written; returns the training state."""
+    state_path = os.path.join(folder, spec.state_file)
     if not os.path.exists(state_path):
         raise UserError(f"--resume: {state_path} does not exist; run without --resume first, or pass the "
                         f"{spec.out_flag} of an earlier run")
     for name, check in spec.saved.items():
-        path = os.path.join(out_dir, name)
+        path = os.path.join(folder, name)
         if not os.path.exists(path):
             if name in spec.optional:
                 continue
@@ -151,13 +218,68 @@ def check_saved_run(out_dir: str, spec: Spec) -> dict:
         check_file(path, check)
     state = load_state(state_path)
     for name in spec.same_step:
-        path = os.path.join(out_dir, name)
+        path = os.path.join(folder, name)
         if os.path.exists(path):
             step = safetensors_metadata(path).get("step")
             if step is not None and int(step) != state.get("step"):
                 raise UserError(f"--resume: {path} is from step {step} but {state_path} from step {state.get('step')}; "
                                 f"the save was interrupted: start again with --overwrite")
     return state
+
+
+def files_under(top: str, entries) -> list:
+    """The files (relative paths) of entries under top: a file as itself, a directory with every file in
+    it. Temporary files of a write in progress (atomic_write's NAME.tmp-PID, a folder NAME.tmp) are left out."""
+    found = []
+    for entry in entries:
+        path = os.path.join(top, entry)
+        if os.path.isfile(path):
+            found.append(entry)
+        elif os.path.isdir(path):
+            for root, dirs, names in os.walk(path):
+                dirs[:] = sorted(d for d in dirs if ".tmp" not in d)
+                found += [os.path.relpath(os.path.join(root, n), top) for n in sorted(names) if ".tmp" not in n]
+    return found
+
+
+def link_or_copy(src: str, dst: str):
+    """dst becomes src by one rename: a hard link (no bytes copied, no disk used) where the file system
+    has them, else a copy."""
+    os.makedirs(os.path.dirname(dst), exist_ok=True)
+    tmp = f"{dst}.tmp-{os.getpid()}"
+    if os.path.lexists(tmp):
+        os.remove(tmp)
+    try:
+        os.link(src, tmp)
+    except OSError:
+        shutil.copy2(src, tmp)
+    os.replace(tmp, dst)
+
+
+def restore_top(out_dir: str, folder: str, spec: Spec):
+    """--resume: the top of OUT made the checkpoint being resumed again (hard links to its files), where a
+    save cut short left newer files there; a directory entry (sharded/) loses the files the checkpoint has
+    not (a DCP folder half-written). Every rank of a torchrun may do this at once: each step is a rename
+    to the same file, so they agree."""
+    entries = spec.checkpoint or tuple(spec.saved)
+    keep = set(files_under(folder, entries))
+    for rel in sorted(keep):
+        top = os.path.join(out_dir, rel)
+        if not (os.path.exists(top) and os.path.samefile(top, os.path.join(folder, rel))):
+            link_or_copy(os.path.join(folder, rel), top)
+    for entry in entries:
+        if os.path.isdir(os.path.join(out_dir, entry)):
+            for root, dirs, names in os.walk(os.path.join(out_dir, entry), topdown=False):
+                for name in names:
+                    rel = os.path.relpath(os.path.join(root, name), out_dir)
+                    if rel not in keep:
+                        with contextlib.suppress(FileNotFoundError):
+                            os.remove(os.path.join(root, name))
+                for name in dirs:
+                    rel = os.path.relpath(os.path.join(root, name), out_dir)
+                    if not any(k.startswith(rel + os.sep) for k in keep):
+                        with contextlib.suppress(OSError):
+                            os.rmdir(os.path.join(root, name))  # only when empty
 
 
 def check_file(path: str, check) -> None:
@@ -300,44 +422,121 @@ def fingerprint(path) -> str | None:
 def begin(run: Run, args, is_main: bool = True) -> metrics.MetricsLog:
     """Just before the first write: with --overwrite the old run's files go now (every check has
     passed); metrics.jsonl starts afresh for a new run and continues for a resumed one. A new run
-    also takes the fingerprints of its data here, for a later --resume from another path."""
+    also takes the fingerprints of its data here, for a later --resume from another path. From here
+    on SIGTERM saves like Ctrl-C (catch_sigterm)."""
     spec = run.spec
     if not run.resumed:
         run.fingerprints = {key: fingerprint(getattr(args, key, None)) for key in spec.data}
     if is_main:
         os.makedirs(run.out_dir, exist_ok=True)
         if not run.resumed:
-            for name in (*spec.saved, *spec.written):
+            for name in (CHECKPOINTS, *spec.saved, *spec.checkpoint, *spec.written):
                 path = os.path.join(run.out_dir, name)
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path)
                 elif os.path.lexists(path):
                     os.remove(path)
+        # checkpoints/ exists from the first write on: files at the top without a commit there are a
+        # first save cut short, not a saved run (holds_saved_run).
+        os.makedirs(os.path.join(run.out_dir, CHECKPOINTS), exist_ok=True)
+    catch_sigterm()
     return metrics.MetricsLog(os.path.join(run.out_dir, METRICS), enabled=is_main)
 
 
 # --- 3. save --------------------------------------------------------------------------------------------
-def save_state(run: Run, args, state: dict):
-    """The training state, with the run's flags and data fingerprints, in one atomic file."""
+def save_state(run: Run, args, state: dict, commit_now: bool = True):
+    """The training state, with the run's flags and data fingerprints, in one atomic file; then, as the
+    state is the last file of most saves, the commit (commit_now=False where more files follow)."""
     full = {**state, **run.fields(args)}
     path = os.path.join(run.out_dir, run.spec.state_file)
     atomic_write(path, lambda tmp: torch.save(full, tmp))
+    if commit_now:
+        commit(run, args, state["step"])
 
 
-# --- 4. Ctrl-C --------------------------------------------------------------------------------------------
+def commit(run: Run, args, step: int):
+    """Make the files of the save just written one checkpoint, OUT/checkpoints/step-N, in one rename.
+
+    1. every file of the checkpoint (spec.checkpoint, or the saved files) is hard-linked into a staging
+       folder, .step-N.tmp-PID: no bytes are copied, and a link keeps its file whole when the top of OUT
+       is later replaced, rename by rename, by the next save;
+    2. the staging folder is synced, then renamed to step-N: the commit point. A crash before it leaves
+       the previous checkpoint the newest complete one; a crash after it, this one;
+    3. only then are older checkpoints removed, all but the newest --keep-last (default 1).
+
+    Called on the main rank once every file of the save is written (train_fsdp.py: after every rank's
+    shards). The top of OUT stays what transformers and the other tools load."""
+    root = os.path.join(run.out_dir, CHECKPOINTS)
+    os.makedirs(root, exist_ok=True)
+    name, again = f"step-{step:06d}", 1
+    while os.path.exists(os.path.join(root, name if again == 1 else f"{name}.{again}")):
+        again += 1  # the same step saved again (resumed there and stopped before a step): a newer folder
+    name = name if again == 1 else f"{name}.{again}"
+    staging = os.path.join(root, f".{name}.tmp-{os.getpid()}")
+    shutil.rmtree(staging, ignore_errors=True)
+    fault_point(f"link {name}")
+    for rel in files_under(run.out_dir, run.spec.checkpoint or tuple(run.spec.saved)):
+        link_or_copy(os.path.join(run.out_dir, rel), os.path.join(staging, rel))
+    for folder, _, _ in os.walk(staging):
+        fsync(folder)  # the links themselves on the disk before the rename that makes them count
+    fault_point(f"commit {name}")
+    os.rename(staging, os.path.join(root, name))  # THE COMMIT POINT
+    fsync(root)
+    fault_point(f"prune {name}")
+    keep = max(1, getattr(args, "keep_last", 1) or 1)
+    for old in committed(run.out_dir)[keep:]:
+        shutil.rmtree(old, ignore_errors=True)  # a crash here leaves an extra old folder: --resume ignores it
+    for left in os.listdir(root):  # staging folders of saves cut short
+        if left.startswith(".") and ".tmp-" in left and left != os.path.basename(staging):
+            shutil.rmtree(os.path.join(root, left), ignore_errors=True)
+    # The temporary files of writes cut short (NAME.tmp-PID, lib.checkpoint.atomic_write), beside the files a
+    # checkpoint takes: disk use stays bounded however many crashes a run goes through.
+    folders = {run.out_dir} | {os.path.dirname(os.path.join(run.out_dir, rel)) for rel in files_under(
+        os.path.join(root, name), run.spec.checkpoint or tuple(run.spec.saved))}
+    for folder in folders:
+        for left in os.listdir(folder):
+            pid = left.rpartition(".tmp-")[2]
+            if pid.isdigit() and int(pid) != os.getpid() and os.path.isfile(os.path.join(folder, left)):
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(os.path.join(folder, left))
+
+
+# --- 4. Ctrl-C and SIGTERM ------------------------------------------------------------------------------
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that one `except KeyboardInterrupt`
+    in every training loop saves for both."""
+
+
+def catch_sigterm():
+    """SIGTERM (a scheduler's "stop now", sent some seconds before SIGKILL) raises Terminated, as Ctrl-C
+    raises KeyboardInterrupt. Under torchrun, distributed.catch_ctrl_c then turns both into a flag the
+    ranks agree on. Only the main thread may set a handler; elsewhere SIGTERM keeps its default."""
+    def on_sigterm(signum, frame):
+        distributed.STOP["signal"] = signum
+        raise Terminated
+    with contextlib.suppress(ValueError):
+        signal.signal(signal.SIGTERM, on_sigterm)
+
+
 def save_on_interrupt(save: Callable, step: int, out_dir: str, is_main: bool = True, cleanup: Callable = None):
-    """Ctrl-C: save the updates made so far (step = the next one to run, so --resume neither skips nor
-    repeats one), say so, and exit 130, the shell's code for an interrupted program. A second Ctrl-C
-    (torchrun forwards one to its workers) is ignored until the save is done."""
+    """Ctrl-C or SIGTERM: save the updates made so far (step = the next one to run, so --resume neither
+    skips nor repeats one), say so, and exit 130 (128 + SIGINT) or 143 (128 + SIGTERM), the shell's codes.
+    A second signal during the save (torchrun forwards one to its workers, a scheduler may repeat its
+    SIGTERM) is ignored until the save is done; SIGKILL cannot be, and then the commit point keeps the
+    previous checkpoint whole."""
+    terminated = isinstance(sys.exc_info()[1], Terminated) or distributed.STOP["signal"] == signal.SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     saved = save()
     if is_main:
         where = f"saved step {step} to {out_dir}" if saved is not False else f"{out_dir} keeps its last save"
-        print(f"\ninterrupted: {where}; continue with --resume", file=sys.stderr, flush=True)
+        what = "terminated (SIGTERM)" if terminated else "interrupted"
+        print(f"\n{what}: {where}; continue with --resume (or --auto-resume)", file=sys.stderr, flush=True)
     if cleanup is not None:
         cleanup()
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)  # the save is done: a late SIGTERM may end the process now
     sys.stdout.flush()
-    sys.exit(130)
+    sys.exit(143 if terminated else 130)
 
 
 # --- 5. updates that did not happen --------------------------------------------------------------------

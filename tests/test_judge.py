@@ -25,6 +25,10 @@ def test_parse_score_and_feedback():
     assert judge.parse_score("Score: 8") is None
     assert judge.parse_feedback("Score: 3/10\nFeedback:  Wrong words: gato.\n") == "Wrong words: gato."
     assert judge.parse_feedback("no marker here ") == "no marker here"
+    # feedback first, then the score (the embedded set's order): the feedback stops at the score's line
+    answer = "Feedback: sea (English), gato (1):\n1 of 2 words translated.\nScore: 5/10"
+    assert judge.parse_score(answer) == 5.0
+    assert judge.parse_feedback(answer) == "sea (English), gato (1):\n1 of 2 words translated."
 
 
 def test_score_metrics_hand_computed():
@@ -74,6 +78,46 @@ def test_judge_metrics_counts_unparseable():
     assert judge.constant_predictor_mae(["Score: 2/10", "Score: 4/10", "Score: 9/10"], ["Score: 4/10", "Score: 8/10"]) == 2.0
 
 
+def test_constant_guess_is_the_training_median():
+    train = ["Score: 2/10", "Score: 4/10", "Score: 9/10", "Score: 7/10"]  # median (4 + 7) / 2 = 5.5
+    test = ["Feedback: x\nScore: 4/10", "Score: 8/10", "Score: 5/10"]    # |5.5 - s| = 1.5, 2.5, 0.5 -> 4.5 / 3
+    assert judge.constant_guess(train, test) == {"score": 5.5, "mae": 1.5}
+    m = judge.judge_metrics(["Score: 4/10", "Score: 8/10", "?"], test)  # MAE 0 on the two that parse
+    assert judge.beats_constant(m, {"score": 5.5, "mae": 1.5})
+    assert not judge.beats_constant(m, {"score": 5.5, "mae": 0.0})
+    # a score in fewer than half the answers is no judge, however small its MAE on those
+    assert not judge.beats_constant(judge.judge_metrics(["Score: 4/10", "?", "?"], test), {"score": 5.5, "mae": 1.5})
+
+
+def test_evaluation_prints_the_constant_guess_and_warns(tmp_path, capsys):
+    """Without --baseline_eval the evaluation line still names the constant guess, and a judge no better
+    than it (the untrained tiny base grades 7-10 whatever the errors) is told so, in the output and in
+    test_predictions.json."""
+    out = str(tmp_path / "eval")
+    res = judge.main([*QUICK, "--epochs", "0", "--test_samples", "6", "--output_dir", out])
+    printed = capsys.readouterr().out
+    test_set = judge.embedded_judge_set(0)["test"][:6]
+    const = judge.constant_guess([c["messages"][-1]["content"] for c in judge.embedded_judge_set(0)["train"]],
+                                 [c["messages"][-1]["content"] for c in test_set])
+    assert res["constant_guess"] == const
+    line = next(ln for ln in printed.splitlines() if ln.startswith("judge: "))
+    assert f"a constant guess (the training median, {const['score']:g}) has MAE {const['mae']:.3f}" in line
+    assert res["test"]["mae"] > const["mae"]  # the untrained base: 7-10 for everything
+    assert "warning: the judge does no better than always answering" in printed
+    saved = json.load(open(os.path.join(out, judge.PREDICTIONS)))
+    assert saved["constant_guess"] == const and saved["beats_constant"] is False
+    assert saved["metrics"]["mae"] == res["test"]["mae"] and len(saved["predictions"]) == 6
+    assert read_metrics(out)[-2]["constant_mae"] == const["mae"]
+
+
+def test_cpu_warning_names_the_model_size(tmp_path):
+    import argparse
+    args = argparse.Namespace(model="Qwen/Qwen2-1.5B-Instruct", cache_dir=str(tmp_path))
+    assert judge.model_size_text(args) == "a 1.54B model"
+    assert judge.model_size_text(argparse.Namespace(model="someone/unknown", cache_dir=str(tmp_path))) == \
+        "a model of unknown size"
+
+
 # --- the embedded set -----------------------------------------------------------------------------
 def test_embedded_set_is_deterministic_and_right():
     a, b = judge.embedded_judge_set(0), judge.embedded_judge_set(0)
@@ -84,9 +128,16 @@ def test_embedded_set_is_deterministic_and_right():
         cand, ref = lines["Translation"].split(), lines["Reference"].split()
         wrong = [c for c, r in zip(cand, ref) if c != r]
         assert judge.parse_score(answer) == 10 - len(wrong)
-        if wrong:
-            assert judge.parse_feedback(answer) == "Untranslated: " + ", ".join(wrong) + "."
-            assert all(w in lines["Source"].split() for w in wrong)
+        # feedback first: every word of the translation in order, the untranslated ones counted
+        assert answer.startswith("Feedback: ") and answer.index("Feedback:") < answer.index("Score:")
+        walk, count = judge.parse_feedback(answer).rsplit(": ", 1)
+        assert count == f"{10 - len(wrong)} of 10 words translated."  # the score, written once more
+        n, expected = 0, []
+        for c, r in zip(cand, ref):
+            n += c == r
+            expected.append(f"{c} ({n})" if c == r else f"{c} (English)")
+        assert walk.split(", ") == expected
+        assert all(w in lines["Source"].split() for w in wrong)
     scores = [judge.parse_score(e["messages"][1]["content"]) for e in a["train"]]
     assert set(scores) == set(range(11))
 
@@ -282,14 +333,16 @@ def test_fine_tuned_judge_beats_untrained(trained):
     base, after = res["baseline"], res["test"]
     assert base["n"] == after["n"] == 24
     assert after["unparseable"] <= 1
-    # measured: 4.1 untrained (it grades 7-10 whatever the errors) -> 1.8 after 200 steps; a constant answer 2.9
+    # measured: 5.9 untrained (it grades 7-10 whatever the errors) -> 1.04 after 200 steps (r 0.95); always
+    # answering the training median, 5, has MAE 2.7
     assert after["mae"] < base["mae"] - 1.0, (base["mae"], after["mae"])
+    assert after["mae"] < res["constant_guess"]["mae"] - 1.0, (after["mae"], res["constant_guess"])
     assert after["pearson_r"] > 0.5
     # the PEFT adapter, the tokenizer, the predictions and the metrics are all in --output_dir
     cfg = json.load(open(os.path.join(out, "adapter_config.json")))
     assert cfg["r"] == 8 and cfg["lora_alpha"] == 16 and sorted(cfg["target_modules"]) == sorted(judge.LORA_TARGETS)
     assert cfg["base_model_name_or_path"].endswith(judge.TINY_VERSION)
-    preds = json.load(open(os.path.join(out, "test_predictions.json")))
+    preds = json.load(open(os.path.join(out, "test_predictions.json")))["predictions"]
     assert len(preds) == 24 and {"prediction", "reference", "predicted_score"} <= set(preds[0])
     records = read_metrics(out)
     assert records[0]["event"] == "start" and records[0]["seed"] == 0
@@ -312,6 +365,27 @@ def test_adapter_evaluates_in_the_other_script(trained, tmp_path):
     back = judge.main([*QUICK, "--adapter", cuda_out, "--epochs", "0", "--output_dir",
                                  str(tmp_path / "mps_eval"), "--test_samples", "8", "--max_new_tokens", "12"])
     assert back["test"]["n"] == 8
+
+
+def test_learning_curve_reads_a_run_and_renders(trained, tmp_path):
+    """bench/judge_curve.py reads a point back from a run's own files and renders the docs' table."""
+    from bench import judge_curve
+    out, res = trained
+    point = judge_curve.read_point(out)
+    assert point["n_train"] == 800 and point["optimizer_steps"] == 200 and point["n_test"] == 24
+    assert point["mae"] == res["test"]["mae"] and point["pearson_r"] == res["test"]["pearson_r"]
+    assert point["constant_mae"] == res["constant_guess"]["mae"] and point["val_loss_best"] == res["best_val"]
+    path = str(tmp_path / "curve.json")
+    machine = {"cpu": "a CPU", "cores": 2, "gpu": None, "torch": "2.x", "date": "2026-01-01", "quiet": False}
+    judge_curve.merge(path, [{**point, "wall_s": 119.5, "cpu_s": 59.4}], machine, "tiny")
+    judge_curve.merge(path, [{**point, "n_train": 100, "wall_s": None, "cpu_s": None}], machine, "tiny")
+    table = judge_curve.render(path)
+    rows = [line for line in table.splitlines() if line.startswith("| 1") or line.startswith("| 8")]
+    assert rows[0].startswith("| 100 | 200 |") and rows[0].endswith("| - (-) |")  # sorted by size
+    assert rows[1] == (f"| 800 | 200 | {point['mae']:.2f} | {point['constant_mae']:.2f} | {point['pearson_r']:.2f} | "
+                       f"{point['cohen_kappa']:.2f} | {point['unparseable']}/24 | 2 min 00 s (0 min 59 s) |")
+    assert "Not measured yet: 300, 600, 1,200 conversations" in table
+    assert table.endswith("shared machine (times are rough). OMP_NUM_THREADS: torch's default.")
 
 
 def write_judge_dir(directory, seed=0, sizes=None):

@@ -28,6 +28,8 @@ def parser():
     p.add_argument("--out-dir")
     p.add_argument("--resume", action="store_true")
     p.add_argument("--overwrite", action="store_true")
+    p.add_argument("--auto-resume", action="store_true")
+    p.add_argument("--keep-last", type=int, default=1)
     return p
 
 
@@ -75,7 +77,7 @@ def test_fresh_run_into_a_saved_run_is_refused_and_overwrite_clears_only_at_begi
     assert snapshot(out) == before  # every check passed, but nothing is removed before the first write
     (out / "notes.txt").write_text("mine")  # not the run's: --overwrite must leave it alone
     rundir.begin(run, args)
-    assert sorted(os.listdir(out)) == ["notes.txt"]
+    assert sorted(os.listdir(out)) == ["checkpoints", "notes.txt"] and os.listdir(out / "checkpoints") == []
 
 
 def test_resume_and_overwrite_together_are_refused(saved):
@@ -114,9 +116,11 @@ def test_a_moved_data_file_is_accepted_when_its_contents_are_the_same(saved, tmp
 @pytest.mark.parametrize("name", ["model.safetensors", "config.json", "training_state.pt", "best.json"])
 def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(saved, name):
     out, data = saved
-    if name == "best.json":
+    if name == "best.json":  # a file written after the save: a second commit of the same step takes it
         (out / name).write_text('{"step": 2}')
-    path = out / name
+        rundir.commit(rundir.Run(str(out), SPEC), argparse.Namespace(keep_last=1), 3)
+    # The checkpoint's file: the same file as the one at the top of OUT (a hard link), so damaged in both.
+    path = out / "checkpoints" / ("step-000003.2" if name == "best.json" else "step-000003") / name
     path.write_bytes(path.read_bytes()[: len(path.read_bytes()) // 2])
     before = snapshot(out)
     with pytest.raises(UserError) as e:
@@ -127,13 +131,15 @@ def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(saved, name)
 
 def test_missing_and_mismatched_files(saved):
     out, data = saved
-    save_file({"w": torch.ones(2)}, str(out / "model.safetensors"), metadata={"step": "2"})
+    ck = out / "checkpoints" / "step-000003"  # the checkpoint --resume reads (the top of OUT is put back from it)
+    os.remove(ck / "model.safetensors")
+    save_file({"w": torch.ones(2)}, str(ck / "model.safetensors"), metadata={"step": "2"})
     with pytest.raises(UserError, match="from step 2 but .* from step 3; the save was interrupted"):
         prepare(["--out-dir", str(out), "--resume"])
-    os.remove(out / "model.safetensors")
+    os.remove(ck / "model.safetensors")
     with pytest.raises(UserError, match="model.safetensors is missing"):
         prepare(["--out-dir", str(out), "--resume"])
-    os.remove(out / "training_state.pt")
+    os.remove(ck / "training_state.pt")
     with pytest.raises(UserError, match="training_state.pt does not exist; run without --resume first"):
         prepare(["--out-dir", str(out), "--resume"])
 
@@ -188,3 +194,34 @@ def test_fingerprint_of_a_directory_covers_names_and_bytes(tmp_path):
     (a / "x.txt").rename(a / "y.txt")
     assert rundir.fingerprint(str(a)) != first
     assert rundir.fingerprint("stdlib") is None
+
+
+def test_auto_resume_starts_continues_and_never_takes_an_uncommitted_save(saved, tmp_path):
+    out, data = saved
+    run, args, messages = prepare(["--out-dir", str(out), "--auto-resume"])
+    assert run.resumed and args.resume and args.width == 16 and "continuing the run saved" in messages[0]
+    with pytest.raises(UserError, match="--auto-resume continues .* --overwrite replaces it"):
+        prepare(["--out-dir", str(out), "--auto-resume", "--overwrite"])
+    with pytest.raises(UserError, match="--width 32 contradicts the saved run"):
+        prepare(["--out-dir", str(out), "--auto-resume", "--width", "32"])
+    # A first save cut short: files at the top, nothing committed. Not a saved run: a new one replaces them.
+    fresh = tmp_path / "fresh"
+    run, args, messages = prepare(["--out-dir", str(fresh), "--train-file", str(data), "--auto-resume"])
+    assert not run.resumed and "holds no saved run; starting a new one" in messages[0]
+    rundir.begin(run, args)
+    save_file({"w": torch.ones(2)}, str(fresh / "model.safetensors"), metadata={"step": "1"})
+    run, args, messages = prepare(["--out-dir", str(fresh), "--train-file", str(data), "--auto-resume"])
+    assert not run.resumed
+    rundir.begin(run, args)
+    assert os.listdir(fresh) == ["checkpoints"]  # the uncommitted weights are gone
+
+
+def test_commit_keeps_the_newest_and_a_second_save_of_a_step_is_newer(saved):
+    out, data = saved
+    run = rundir.Run(str(out), SPEC)
+    for step, keep in ((4, 2), (4, 2), (5, 1)):
+        rundir.commit(run, argparse.Namespace(keep_last=keep), step)
+    assert os.listdir(out / "checkpoints") == ["step-000005"]
+    assert os.path.samefile(out / "checkpoints" / "step-000005" / "model.safetensors", out / "model.safetensors")
+    rundir.commit(run, argparse.Namespace(keep_last=2), 5)
+    assert [os.path.basename(p) for p in rundir.committed(str(out))] == ["step-000005.2", "step-000005"]
