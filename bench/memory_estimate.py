@@ -214,7 +214,7 @@ def merge_into(path, report):
         report["rows"] = [r for r in old["rows"] if (r["script"], r["size"], r["flags"]) not in keep] + report["rows"]
         report["all_within_target"] = all(report["target"][0] <= r["measured_over_estimate"] <= report["target"][1]
                                           for r in report["rows"])
-        for key in ("before",):
+        for key in ("before", "before_note"):
             if key in old:
                 report[key] = old[key]
     with open(path, "w") as f:
