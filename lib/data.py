@@ -111,7 +111,13 @@ def _cut(buf: bytes) -> int:
 def _chunks(path: str, skip_undecodable: bool):
     """(byte count, text) pieces of a file, each about CHUNK_BYTES, cut by _cut. A file that is not UTF-8
     is one line naming it and the offset of its first bad byte (or, for the stdlib's deliberately
-    mis-encoded codec tests, skipped whole: those files are small enough to be one chunk)."""
+    mis-encoded codec tests, skipped whole: those files are small, so they are checked whole first)."""
+    if skip_undecodable:
+        with open(path, "rb") as f:
+            try:
+                f.read().decode("utf-8")
+            except UnicodeDecodeError:
+                return
     with open(path, "rb") as f:
         offset, buf = 0, b""
         while True:
@@ -124,8 +130,6 @@ def _chunks(path: str, skip_undecodable: bool):
             try:
                 text = piece.decode("utf-8")
             except UnicodeDecodeError as e:
-                if skip_undecodable and offset == 0 and not block:
-                    return
                 raise UserError(f"{path} is not UTF-8 text (bad byte at offset {offset + e.start}); convert it to "
                                 f"UTF-8 or remove it from the data directory") from None
             if text:
