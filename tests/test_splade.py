@@ -11,7 +11,7 @@ import torch
 
 import train_splade_optimized as optimized
 import train_splade_unified as unified
-from lib import bert
+from lib import bert, rundir
 from lib.errors import UserError
 
 # A tiny model: 2 layers, 64 wide, vocabulary learned up to 400 entries.
@@ -409,7 +409,8 @@ def test_every_update_skipped_saves_nothing_and_says_so(tmp_path, data_files, ca
         out = tmp_path / steps
         err = error_of(capsys, unified.main, [*diverge, "--steps", steps, "--out-dir", str(out)])
         assert message in err, err
-        assert sorted(os.listdir(out)) == ["metrics.jsonl"]  # no model, no state, no index
+        assert sorted(os.listdir(out)) == ["checkpoints", "metrics.jsonl"]  # no model, no state, no index
+        assert os.listdir(out / "checkpoints") == []  # and no checkpoint committed
         records = [json.loads(line) for line in open(out / "metrics.jsonl")]
         assert all(r.get("skipped") for r in records if "grad_norm" in r)
 
@@ -456,15 +457,22 @@ def test_a_moved_train_file_resumes_when_its_contents_are_the_same(tmp_path, dat
     assert result["step"] == 3 and "moved from" in capsys.readouterr().out
 
 
+def remove_saved(out, name):
+    """A file gone from a saved run: from the top of OUT and from every committed checkpoint folder (a
+    file missing from the top alone is put back from the checkpoint at --resume)."""
+    for folder in (out, *rundir.committed(out)):
+        os.remove(os.path.join(folder, name))
+
+
 def test_a_run_saved_with_vocab_txt_only_resumes(tmp_path, data_files, capsys):
     """Runs saved before tokenizer.json was written have only vocab.txt; either file is a tokenizer."""
     out = str(tmp_path / "run")
     common = ["--batch-size", "8", "--index", "none", "--out-dir", out, *TINY]
     unified.main(["--train-file", data_files[0], "--steps", "1", *common])
-    os.remove(os.path.join(out, "tokenizer.json"))
+    remove_saved(out, "tokenizer.json")
     assert unified.main(["--resume", "--steps", "2", *common])["step"] == 2
     for name in ("tokenizer.json", "vocab.txt"):
-        os.remove(os.path.join(out, name))
+        remove_saved(out, name)
     assert "neither tokenizer.json nor vocab.txt" in error_of(capsys, unified.main, ["--resume", "--steps", "3", *common])
 
 

@@ -33,7 +33,8 @@ def test_tiny_run_learns_and_writes_everything(tmp_path, text_dir):
     assert sorted(step_losses(tmp_path)) == list(range(30))
     logged = [r for r in records if "tokens_per_s" in r]
     assert len(logged) == 30 and all(0 < r["mfu"] < 1 and r["tokens_per_s"] > 0 for r in logged)
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl", "model.safetensors", "training_state.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.json", "metrics.jsonl", "model.safetensors",
+                                       "training_state.pt"]
     assert result["val_loss"] == vals[-1][1]
 
 

@@ -336,8 +336,8 @@ def test_8gaussians_learns_and_samples_land_on_the_modes(tmp_path):
     assert np.mean(dist.min(1) < 1.5) > 0.9  # each mode has standard deviation 0.35
     # None is missed (a mode gets the share of the 64 centres that fell on it, 1/8 on average).
     assert np.bincount(dist.argmin(1), minlength=8).min() > 0.02 * 800
-    assert sorted(os.listdir(tmp_path)) == ["config.json", "metrics.jsonl", "model.safetensors", "samples.npy",
-                                            "samples.png", "training_state.pt"]
+    assert sorted(os.listdir(tmp_path)) == ["checkpoints", "config.json", "metrics.jsonl", "model.safetensors",
+                                            "samples.npy", "samples.png", "training_state.pt"]
     weights = load_file(tmp_path / "model.safetensors")
     assert weights["centres"].shape == (64, 2) and "factornet.out.weight" in weights
     assert decode_png((tmp_path / "samples.png").read_bytes()).shape == (400, 816, 3)
