@@ -16,6 +16,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lib.errors import UserError
+
 
 @dataclass
 class DistInfo:
@@ -165,9 +167,20 @@ def exit_interrupted():
 def local_rank_0_first(info: DistInfo, fn):
     """fn() on one process per machine first (a download or a tokenisation, cached on disk), then on the
     others, which find the cache: two processes writing the same cache file would tear it."""
+    error = None
     if info.local_rank == 0:
-        result = fn()
-    barrier(info)
+        try:
+            result = fn()
+        except UserError as e:  # a user's mistake (no such --data, say): every rank must hear of it
+            error = e
+    if info.enabled:  # the barrier, carrying each machine's error: one line on every rank, no rank left waiting
+        errors = [None] * info.world_size
+        dist.all_gather_object(errors, str(error) if error else None)
+        first = next((e for e in errors if e), None)
+        if first and error is None:
+            error = UserError(first)
+    if error:
+        raise error
     if info.local_rank != 0:
         result = fn()
     return result
