@@ -50,7 +50,7 @@ def main(argv=None):
         devices.steady_cpu_heap()
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))
-    except UserError as e:
+    except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
         report_and_exit(e)
 
 

@@ -73,7 +73,7 @@ def main(argv=None):
             raise UserError(f"--nf4-block-size must be an even number (two codes share a byte), got "
                             f"{args.nf4_block_size}")
         return finetune_lora.run(args, parser, sys.argv[1:] if argv is None else list(argv), RUN, recipe_for)
-    except UserError as e:
+    except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
         report_and_exit(e)
 
 

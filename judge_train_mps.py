@@ -172,7 +172,7 @@ def main(argv=None):
     args = parser.parse_args(argv)
     try:
         return run(args, parser, argv)
-    except UserError as e:
+    except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
         report_and_exit(e)
     except KeyboardInterrupt:  # before the training loop, which saves and exits 130 itself
         print("\ninterrupted before training started; nothing was saved", file=sys.stderr)

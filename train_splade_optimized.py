@@ -74,7 +74,7 @@ def main(argv=None):
         run_dir = rundir.prepare(args, parser, sys.argv[1:] if argv is None else list(argv), RUN,
                                  writes=not args.estimate_memory)  # first: --resume takes the saved run's flags
         return run(args, run_dir)
-    except UserError as e:
+    except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
         report_and_exit(e)
     except KeyboardInterrupt:  # outside the training loop, which saves on its own Ctrl-C
         print("\ninterrupted outside the training loop: nothing more was saved (what --output-dir holds is kept)",

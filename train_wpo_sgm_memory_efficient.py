@@ -144,7 +144,7 @@ def main(argv=None):
     threads = torch.get_num_threads()
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))
-    except UserError as e:
+    except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
         report_and_exit(e)
     finally:
         torch.set_num_threads(threads)  # run() lowers it for toy sets; a caller (a test) keeps its own

@@ -13,6 +13,18 @@ class UserError(Exception):
     """A problem with the user's input or environment that a message can explain."""
 
 
-def report_and_exit(err: UserError, code: int = 2):
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt (lib/rundir.catch_sigterm), so that one
+    `except KeyboardInterrupt` in every training loop saves for both."""
+
+
+def report_and_exit(err, code: int = 2):
+    """One line and exit 2 for a UserError. Ctrl-C or SIGTERM outside the training loop (whose own handler
+    saves and exits): one line too, and the shell's codes 130 (128 + SIGINT) or 143 (128 + SIGTERM)."""
+    if isinstance(err, KeyboardInterrupt):
+        what, code = ("SIGTERM", 143) if isinstance(err, Terminated) else ("Ctrl-C", 130)
+        print(f"stopped by {what} outside the training loop; nothing was saved after the last checkpoint",
+              file=sys.stderr, flush=True)
+        sys.exit(code)
     print(f"error: {err}", file=sys.stderr, flush=True)
     sys.exit(code)

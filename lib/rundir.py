@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from lib import distributed, guards, metrics
+from lib import distributed, errors, guards, metrics
 from lib.checkpoint import atomic_write, fault_point, fsync
 from lib.errors import UserError
 
@@ -502,9 +502,7 @@ def commit(run: Run, args, step: int):
 
 
 # --- 4. Ctrl-C and SIGTERM ------------------------------------------------------------------------------
-class Terminated(KeyboardInterrupt):
-    """SIGTERM, raised where Ctrl-C raises KeyboardInterrupt, so that one `except KeyboardInterrupt`
-    in every training loop saves for both."""
+Terminated = errors.Terminated  # SIGTERM, raised where Ctrl-C raises KeyboardInterrupt
 
 
 def catch_sigterm():

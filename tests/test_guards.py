@@ -80,3 +80,13 @@ def test_check_memory():
     guards.check_memory(available * 2, cpu, force=True, hint="lower --batch-size")  # --force
     with pytest.raises(UserError, match="exceeds .* lower --batch-size, or pass --force"):
         guards.check_memory(available * 2, cpu, force=False, hint="lower --batch-size")
+
+
+def test_ctrl_c_or_sigterm_outside_the_loop_is_one_line_and_the_shells_code(capsys):
+    """A KeyboardInterrupt reaching main (setup, final evaluation) is one line, exit 130; SIGTERM's 143."""
+    from lib.errors import Terminated, report_and_exit
+    for err, code, what in ((KeyboardInterrupt(), 130, "Ctrl-C"), (Terminated(), 143, "SIGTERM")):
+        with pytest.raises(SystemExit) as e:
+            report_and_exit(err)
+        err_text = capsys.readouterr().err.strip()
+        assert e.value.code == code and len(err_text.splitlines()) == 1 and f"stopped by {what}" in err_text
