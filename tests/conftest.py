@@ -100,3 +100,17 @@ import {script}
 {script}.main(sys.argv[1:])
 """)
     return str(helper)
+
+
+@pytest.fixture(scope="module")
+def base(tmp_path_factory):
+    """A seeded GPT of 2 layers, 64 wide, saved as a Hugging Face GPT-2 directory (the fine-tuning tests' base)."""
+    import torch
+
+    from lib import checkpoint, gpt
+
+    torch.manual_seed(0)
+    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
+    out = str(tmp_path_factory.mktemp("base"))
+    checkpoint.save_hf(out, cfg, gpt.to_hf_state_dict(gpt.GPT(cfg)))
+    return out

@@ -28,16 +28,6 @@ FT = ["--batch-size", "4", "--eval-batches", "2", "--sample-tokens", "0", "--log
 SCRIPTS = {"lora": finetune_lora, "qlora": finetune_qlora}
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    """A seeded GPT of 2 layers, 64 wide, saved as a Hugging Face GPT-2 directory."""
-    torch.manual_seed(0)
-    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
-    out = str(tmp_path_factory.mktemp("base"))
-    checkpoint.save_hf(out, cfg, gpt.to_hf_state_dict(gpt.GPT(cfg)))
-    return out
-
-
 def run(script, base, out_dir, *extra):
     return SCRIPTS[script].main([*FT, "--init-from", base, "--out-dir", str(out_dir), *extra])
 

@@ -19,21 +19,12 @@ from safetensors.torch import load_file, save_file
 
 import finetune_lora
 import finetune_qlora
-from lib import checkpoint, gpt, guards, optim
+from lib import guards, optim
 from lib.checkpoint import current_umask
 from tests.conftest import read_metrics, val_losses
 
 SCRIPTS = {"lora": finetune_lora, "qlora": finetune_qlora}
 HUGE = {"model_type": "gpt2", "n_layer": 96, "n_head": 128, "n_embd": 16384, "n_positions": 2048, "vocab_size": 50257}
-
-
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
-    out = str(tmp_path_factory.mktemp("base"))
-    checkpoint.save_hf(out, cfg, gpt.to_hf_state_dict(gpt.GPT(cfg)))
-    return out
 
 
 @pytest.fixture(scope="module")

@@ -143,15 +143,6 @@ def test_cpu_runtime_is_measured_not_assumed():
     assert abs(memory.cpu_runtime_bytes("cpu") - devices.resident_bytes()) < 64 * 2**20
 
 
-@pytest.fixture(scope="module")
-def base(tmp_path_factory):
-    torch.manual_seed(0)
-    cfg = gpt.GPTConfig(n_layer=2, n_head=2, n_embd=64, block_size=32)
-    out = str(tmp_path_factory.mktemp("base"))
-    checkpoint.save_hf(out, cfg, gpt.to_hf_state_dict(gpt.GPT(cfg)))
-    return out
-
-
 @pytest.mark.parametrize("script,extra", [(finetune_lora, []), (finetune_qlora, []),
                                           (finetune_qlora, ["--grad-checkpoint"])])
 def test_tiny_run_peak_against_its_estimate(script, extra, base, tmp_path):
