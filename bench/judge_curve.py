@@ -1,7 +1,7 @@
 """The judge's learning curve: test MAE and Pearson r of judge_train_mps.py against the number of
 training conversations, on a real model (NOT run by the test suite: each point is a real training run).
 
-    python bench/judge_curve.py --model DIR                          # 100, 300, 600 and 1,200 conversations
+    python bench/judge_curve.py --model DIR                          # 100, 300 and 600 conversations
     nice -n 10 python bench/judge_curve.py --model DIR --sizes 100 300
     python bench/judge_curve.py --add-run out/judge_600 --wall-s 1500 --cpu-s 1400   # a run made by hand
     python bench/judge_curve.py --render                             # the markdown figure, from the JSON
@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from bench.machine import caption, describe  # noqa: E402
 
 RESULT = os.path.join(ROOT, "bench", "results", "judge_curve.json")
-SIZES = (100, 300, 600, 1200)
+SIZES = (100, 300, 600)
 EPOCHS, TEST_SAMPLES = 2, 60
 
 
@@ -116,12 +116,14 @@ def render(path: str = RESULT) -> str:
     with open(os.path.join(ROOT, path) if not os.path.isabs(path) else path, encoding="utf-8") as f:
         report = json.load(f)
     rows = ["| training conversations | optimizer steps | test MAE | constant guess's MAE | Pearson r | "
-            "Cohen's kappa | answers without a score | wall time (CPU user + sys) |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "Cohen's kappa | answers without a score | wall time (CPU user + sys) | the machine then |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in report["points"]:
+        load = {True: "quiet", False: "shared (time rough)"}.get(p.get("machine", {}).get("quiet"), "load not recorded")
         rows.append(f"| {p['n_train']:,} | {p['optimizer_steps']} | {p['mae']:.2f} | {p['constant_mae']:.2f} | "
                     f"{p['pearson_r']:.2f} | {p['cohen_kappa']:.2f} | {p['unparseable']}/{p['n_test']} | "
-                    f"{minutes(p.get('wall_s'))} ({minutes(p.get('cpu_s'))}) |")
+                    f"{minutes(p.get('wall_s'))} ({minutes(p.get('cpu_s'))}) | {load}, "
+                    f"{'OMP_NUM_THREADS=' + str(p['threads']) if p.get('threads') else 'torch' + chr(39) + 's default threads'} |")
     done = {p["n_train"] for p in report["points"]}
     missing = [n for n in report["planned"] if n not in done]
     lines = [f"{report['model']}, `{report['command']}` (every other flag at its default), on the CPU; "
@@ -129,8 +131,9 @@ def render(path: str = RESULT) -> str:
     if missing:
         lines += [f"Not measured yet: {', '.join(f'{n:,}' for n in missing)} conversations "
                   f"(`python bench/judge_curve.py --model DIR --sizes {' '.join(map(str, missing))}`).", ""]
-    threads = sorted({str(p.get("threads") or "torch's default") for p in report["points"]})
-    lines.append(f"{caption(report['machine'])} OMP_NUM_THREADS: {', '.join(threads)}.")
+    m = report["machine"]  # the rows' load and threads are their own (the last column)
+    lines.append(f"Measured on {m.get('gpu') or m['cpu'] + ', ' + str(m['cores']) + ' cores'}, torch {m['torch']}, "
+                 f"{m['date']}.")
     return "\n".join(lines)
 
 

@@ -381,11 +381,12 @@ def test_learning_curve_reads_a_run_and_renders(trained, tmp_path):
     judge_curve.merge(path, [{**point, "n_train": 100, "wall_s": None, "cpu_s": None}], machine, "tiny")
     table = judge_curve.render(path)
     rows = [line for line in table.splitlines() if line.startswith("| 1") or line.startswith("| 8")]
-    assert rows[0].startswith("| 100 | 200 |") and rows[0].endswith("| - (-) |")  # sorted by size
+    assert rows[0].startswith("| 100 | 200 |") and "| - (-) | shared (time rough)" in rows[0]  # sorted by size
     assert rows[1] == (f"| 800 | 200 | {point['mae']:.2f} | {point['constant_mae']:.2f} | {point['pearson_r']:.2f} | "
-                       f"{point['cohen_kappa']:.2f} | {point['unparseable']}/24 | 2 min 00 s (0 min 59 s) |")
-    assert "Not measured yet: 300, 600, 1,200 conversations" in table
-    assert table.endswith("shared machine (times are rough). OMP_NUM_THREADS: torch's default.")
+                       f"{point['cohen_kappa']:.2f} | {point['unparseable']}/24 | 2 min 00 s (0 min 59 s) | "
+                       f"shared (time rough), torch's default threads |")
+    assert "Not measured yet: 300, 600 conversations" in table
+    assert table.endswith("Measured on a CPU, 2 cores, torch 2.x, 2026-01-01.")
 
 
 def write_judge_dir(directory, seed=0, sizes=None):
