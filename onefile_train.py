@@ -373,8 +373,9 @@ def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio):  # linear warm
     return max_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def estimate_memory(cfg, n_params, batch_size, device_type, amp, ddp):
-    """Predicted peak bytes of AdamW training per process (lib/memory.py's formula; train.py prints a table)."""
+def estimate_memory(cfg, n_params, batch_size, device_type, amp, ddp, runtime=0):
+    """Predicted peak bytes of AdamW training per process (lib/memory.py's formula; train.py prints a table).
+    runtime: on a CPU, the resident set measured before the model is built (Python, torch, the BPE table)."""
     tokens, act_bytes = batch_size * cfg.block_size, 2 if amp else 4
     # Autograd keeps, per block and token, 2 LayerNorm inputs in fp32 and 15 x n_embd matmul ins and outs.
     per_block = tokens * cfg.n_embd * (2 * 4 + 15 * act_bytes + (6 if cfg.dropout > 0 else 0))
@@ -385,14 +386,33 @@ def estimate_memory(cfg, n_params, batch_size, device_type, amp, ddp):
             "loss": -(-tokens // -(-tokens // max(256, 2**27 // (4 * (cfg.vocab_size + 2 * cfg.n_embd)))))
             * cfg.vocab_size * (6 if amp else 4) + tokens * cfg.n_embd * 4
             + cfg.vocab_size * cfg.n_embd * (8 if amp else 4),
-            # Python with torch and the BPE table loaded; CUDA's max_memory_allocated counts tensors only.
-            "runtime": {"cpu": 250 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)}
+            # CPU: that resident set, measured, + 20 MiB the first step's kernels and threads add; MPS: the driver's
+            # own; CUDA's max_memory_allocated counts tensors only.
+            "runtime": {"cpu": runtime + 20 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)}
 
 
 def peak_memory(device):  # CUDA: the most allocated by tensors; MPS: what the driver holds; CPU: the peak RSS
     if device.type != "cpu":
         return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else torch.mps.driver_allocated_memory()
+    if os.path.exists("/proc/self/status"):  # Linux: the high-water mark since reset_peak_memory
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+
+
+def reset_peak_memory(device):  # so that tokenising the data does not count as training
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    elif device.type == "cpu" and os.path.exists("/proc/self/clear_refs"):
+        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
+            refs.write("5")  # Linux: resets the resident set's high-water mark (VmHWM)
+
+
+def resident_bytes():  # the CPU process's resident set now (Linux: /proc; elsewhere the peak so far is the nearest)
+    import torch._dynamo  # noqa: F401  (fused AdamW imports it, about 70 MiB, on its first step: counted now)
+    with contextlib.suppress(OSError), open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    return peak_memory(torch.device("cpu"))
 
 
 # --- checkpoint ---------------------------------------------------------------------------------
@@ -479,7 +499,8 @@ def run(args, parser, argv):
     with torch.device("meta"):  # shapes only: counts the parameters without allocating them
         n_params = sum(param.numel() for param in GPT(cfg).parameters())  # the tied wte / lm_head counts once
     tokens_per_step = args.batch_size * cfg.block_size * args.grad_accum * world
-    estimate = estimate_memory(cfg, n_params, args.batch_size, device.type, amp is not None, world > 1)
+    estimate = estimate_memory(cfg, n_params, args.batch_size, device.type, amp is not None, world > 1,
+                               resident_bytes() if device.type == "cpu" else 0)
     log(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, {n_params:,} parameters; device {device}"
         f"{f' x {world} ranks' if world > 1 else ''}, {'bf16' if amp else 'fp32'}; {tokens_per_step:,} tokens per step")
     log("memory estimate: " + ", ".join(f"{part} {size / 2**20:,.0f} MiB" for part, size in estimate.items()))
@@ -511,6 +532,7 @@ def run(args, parser, argv):
         return tensor
 
     tokens = tokenize(args.data, log)
+    reset_peak_memory(device)  # the measured peak is training's, as the estimate is
     train_batches = Batches(tokens, "train", args.batch_size, cfg.block_size, args.seed, args.grad_accum, rank, world)
     val_batches = Batches(tokens, "val", args.batch_size, cfg.block_size, args.seed + 1)  # a fixed list, split below
     model = raw_model = GPT(cfg).to(device)
@@ -664,6 +686,11 @@ def run(args, parser, argv):
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)
+    if argv is None and sys.platform.startswith("linux"):  # a command-line run on glibc: every freed block of 1 MiB
+        # or more goes back to the system at once (M_MMAP_THRESHOLD, -3 in malloc.h), so the resident set stays what
+        # the tensors need instead of creeping up with the blocks glibc would keep for reuse (lib/memory.py)
+        with contextlib.suppress(OSError, AttributeError):
+            __import__("ctypes").CDLL(None).mallopt(-3, 1 << 20)
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as error:

@@ -115,6 +115,8 @@ RUN = rundir.Spec(
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)
+    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+        devices.steady_cpu_heap()
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
