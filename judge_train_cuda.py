@@ -103,7 +103,10 @@ def recipe_for(args) -> mps.Recipe:
         # 4. 8-bit AdamW (paged: its state in pinned host memory), with the original's clipping.
         optimizer="paged_adamw8bit" if args.paged else "adamw8bit",
         make_optimizer=lambda params, lr: AdamW8bit(params, lr=lr, weight_decay=0.01, paged=args.paged),
-        max_grad_norm=args.max_grad_norm)
+        max_grad_norm=args.max_grad_norm,
+        # On a CPU: NF4 dequantises every linear in each forward and recompute, small temporaries whose holes
+        # glibc's heap cannot reuse; mapping blocks from 128 KiB keeps the peak at the tensors (lib/memory.py).
+        cpu_heap_threshold=128 * 1024)
 
 
 if __name__ == "__main__":

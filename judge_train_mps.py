@@ -54,7 +54,8 @@ from lib import chat_tokenizer, guards, llama, lm_loss, lora, metrics, optim, ru
 from lib import device as devices
 from lib.checkpoint import save_json
 from lib.errors import UserError, report_and_exit
-from lib.memory import LOSS_LABEL, cpu_runtime_bytes, format_table, lm_loss_bytes, nf4_bytes, runtime_terms
+from lib.memory import (LOSS_LABEL, MMAP_THRESHOLD, cpu_heap_kept_bytes, cpu_runtime_bytes, format_table,
+                        lm_loss_bytes, nf4_bytes, runtime_terms)
 
 SCRIPT = "judge_train_mps"
 TINY = "tiny"  # --model tiny: the offline demo base, built once and cached (tiny_base, at the end)
@@ -199,6 +200,7 @@ class Recipe:
     make_optimizer: Callable = adamw            # (trainable parameters, lr) -> optimizer
     max_grad_norm: float = 1.0                  # clip the gradient norm to this
     empty_cache_every: int = 0                  # MPS: hand cached blocks back to the system every N steps
+    cpu_heap_threshold: int = MMAP_THRESHOLD    # CPU: freed blocks from this size on go back to the system
 
 
 def recipe_for(args) -> Recipe:
@@ -495,7 +497,7 @@ def load_model(model_dir, recipe: Recipe, r, alpha, adapter, seed, log=print):
 
 def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: str, compute_bytes: int,
                     r: int, optimizer: str = "adamw", checkpointing: bool = False, generation: tuple = None,
-                    runtime: int = None) -> dict:
+                    runtime: int = None, heap_threshold: int = MMAP_THRESHOLD) -> dict:
     """Predicted peak bytes of a run, per component (arithmetic only, from config.json and the data's lengths).
 
     seq_len: the longest conversation the run will see (every batch is padded to its longest).
@@ -512,6 +514,8 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     copy a concatenation makes); it counts where it needs more than a training step.
     runtime: what the process holds besides (on a CPU: measured, see runtime_bytes); by default the
     device's RUNTIME_BASELINE (lib/memory.runtime_terms).
+    heap_threshold: on a CPU, the activations in blocks under it come from glibc's heap, which keeps up
+    to a step's worth of them (lib/memory.cpu_heap_kept_bytes).
     """
     h, L, inter = cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size
     kvd, qd = cfg.num_key_value_heads * cfg.head_dim, cfg.num_attention_heads * cfg.head_dim
@@ -538,6 +542,11 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     tokens = batch_size * seq_len
     per_layer = tokens * (compute_bytes * (2 * h + qd + 2 * kvd + qd + 4 * inter + 4 * h) + 4 * 2 * h)
     acts = L * tokens * h * 4 + per_layer if checkpointing else L * per_layer
+    # The same tensors one by one (bytes, how many a layer keeps), for the CPU heap's small blocks:
+    # 2 norm outputs, q, k, v, attention output, 4 MLP, 4 LoRA inputs, 2 fp32 residuals.
+    layer_blocks = [(tokens * w * b, n) for w, b, n in ((h, compute_bytes, 2 + 4), (qd, compute_bytes, 2),
+                                                         (kvd, compute_bytes, 2), (inter, compute_bytes, 4), (h, 4, 2))]
+    kept = [(size, n * (1 if checkpointing else L)) for size, n in layer_blocks]
     estimate = {
         label: weights,
         "LoRA parameters (fp32)": 4 * n_lora,
@@ -553,6 +562,9 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     # On a CPU glibc would keep the blocks a step frees (up to 32 MiB each) and grow the resident set past
     # the tensors, step after step: a command-line run fixes its heap (lib/device.steady_cpu_heap), so the
     # peak is the tensors above plus the runtime below (lib/memory.py, the accounting every script shares).
+    heap = cpu_heap_kept_bytes(device_type, kept, heap_threshold)
+    if heap:
+        estimate[f"heap: a step's blocks under {heap_threshold // 1024:,} KiB, kept by glibc"] = heap
     if generation:
         rows, positions = generation
         beyond_a_step = rows * positions * compute_bytes * (2 * kvd * (L + 1) + 2 * qd) - step
@@ -574,7 +586,8 @@ def estimate_for(cfg, recipe: Recipe, args, r: int, train_enc: list, val_enc: li
         prompt = max((len(ids) for ids in test_prompts), default=args.max_seq_length)
         generation = (min(16, len(test_prompts) or args.test_samples or 16), prompt + args.max_new_tokens)
     return estimate_memory(cfg, rows, longest, recipe.device.type, recipe.base, 4 if recipe.amp is None else 2, r,
-                           recipe.optimizer, recipe.checkpointing, generation, runtime_bytes(recipe.device))
+                           recipe.optimizer, recipe.checkpointing, generation, runtime_bytes(recipe.device),
+                           recipe.cpu_heap_threshold)
 
 
 def runtime_bytes(device):
@@ -933,10 +946,10 @@ def run(args, parser=None, argv=None, spec: rundir.Spec = RUN, defaults=DEFAULTS
     # The run directory first, before anything changes args: a saved run is never replaced without
     # --overwrite, and --resume validates every saved file and takes the saved run's flags.
     run_dir = rundir.prepare(args, parser, argv, spec, writes=not args.estimate_memory)
-    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
-        devices.steady_cpu_heap()
     resolve_defaults(args, defaults)
     recipe = recipe_for(args)
+    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+        devices.steady_cpu_heap(recipe.cpu_heap_threshold)
     threads = torch.get_num_threads()
     if args.model == TINY and recipe.device.type == "cpu":
         # The demo's 64-wide matmuls are too small to share between threads, and on a busy machine the
