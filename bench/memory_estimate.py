@@ -48,21 +48,28 @@ CASES = [
     ("train_splade_optimized.py", "tiny", "--steps 3 --index none"),
     ("train_wpo_sgm_memory_efficient.py", "tiny", "--niters 3 --num-samples 0"),
     ("judge_train_mps.py", "real", "--model {smollm2} --max_samples 12 --batch_size 4 --epochs 1 --skip_eval"),
-    ("train_splade_unified.py", "real", "--init-from {bert} --steps 3 --index none"),
-    ("train_splade_optimized.py", "real", "--init-from {bert} --steps 3 --index none"),
-    # CIFAR-10's D = 3,072 with K = 20 centres, 4 at a time (all 20 at once would need 10.4 GiB).
-    ("train_wpo_sgm_memory_efficient.py", "real", "--data cifar10 --data-dir {cifar} --train_kernel_size 20 "
-                                                  "--train_samples_size 20 --test_samples_size 0 --niters 3 "
+    # the default batch, 1 x 2: one short conversation a step, whose activations are blocks under 1 MiB
+    ("judge_train_mps.py", "real", "--model {smollm2} --max_samples 24 --epochs 1 --skip_eval"),
+    ("train_splade_unified.py", "real", "--init-from {bert} --train-file {splade_train} "
+                                 "--val-file {splade_val} --steps 2 --index none"),
+    ("train_splade_optimized.py", "real", "--init-from {bert} --train-file {splade_train} "
+                                 "--val-file {splade_val} --steps 2 --index none"),
+    # CIFAR-10's D = 3,072 with K = 10 centres, 4 at a time (all at once would need twice the memory).
+    ("train_wpo_sgm_memory_efficient.py", "real", "--data cifar10 --data-dir {cifar} --train_kernel_size 10 "
+                                                  "--train_samples_size 10 --test_samples_size 0 --niters 2 "
                                                   "--num-samples 0 --strategy chunked --chunk_size 4"),
     # The real sizes: 8 x 1024 GPT-2 tokens a step; QLoRA computing in fp32, as its timing chose on CPU.
-    ("finetune_lora.py", "real", "--init-from {gpt2} --steps 2 --eval-batches 1 --sample-tokens 0"),
-    ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 2 --eval-batches 1 --sample-tokens 0 --dtype fp32"),
-    ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 2 --eval-batches 1 --sample-tokens 0 --dtype fp32 "
+    # One step: LoRA's AdamW moments, made after the first backward, are a few MiB.
+    ("finetune_lora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0"),
+    ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32"),
+    ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32 "
                                   "--grad-checkpoint"),
     ("judge_train_cuda.py", "real", "--model {smollm2} --max_samples 12 --batch_size 4 --epochs 1 --skip_eval"),
+    # Two steps: full training's AdamW moments (twice the weights) are made in the first update, so the second
+    # step's backward is the peak. train.py at its default batch, 8 x 1,024; its twin at 4, FSDP's 2 ranks at 2 each.
     ("train.py", "real", "--model-size gpt2 --steps 2 --eval-batches 1 --sample-tokens 0"),
-    ("onefile_train.py", "real", "--model-size gpt2 --steps 2 --eval-batches 1"),
-    ("train_fsdp.py", "real", "--model-size gpt2 --batch-size 4 --steps 2 --eval-batches 1 --sample-tokens 0"),
+    ("onefile_train.py", "real", "--model-size gpt2 --batch-size 4 --steps 2 --eval-batches 1"),
+    ("train_fsdp.py", "real", "--model-size gpt2 --batch-size 2 --steps 2 --eval-batches 1 --sample-tokens 0"),
 ]
 # The published SmolLM2-135M shape (HuggingFaceTB/SmolLM2-135M config.json).
 SMOLLM2_135M = dict(vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
@@ -125,12 +132,31 @@ def write_cifar(out_dir, records=1000):
     return out_dir
 
 
+def write_splade_data(out_dir, n_val=16):
+    """The stdlib set the SPLADE scripts embed, as --train-file and --val-file: all its training pairs and
+    the first n_val of its validation queries. Validating the whole pool of 400 on bert-base takes two
+    minutes each time, and a validation batch needs no more memory than a training step (the estimate
+    counts it): the run keeps the real shapes at a fraction of the time."""
+    import train_splade_unified as splade
+    paths = {f"splade_{name}": os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "val")}
+    if not all(os.path.isfile(path) for path in paths.values()):
+        os.makedirs(out_dir, exist_ok=True)
+        train, val, _ = splade.stdlib_examples()
+        for path, examples in zip(paths.values(), (train, val[:n_val])):
+            with open(path, "w", encoding="utf-8") as f:
+                for ex in examples:
+                    f.write(json.dumps({"query": ex.query, "positive_document": ex.positive,
+                                        "negative_documents": ex.negatives}) + "\n")
+    return paths
+
+
 def write_models(models_dir, sizes):
     paths = {"tiny_gpt": write_gpt2(os.path.join(models_dir, "gpt2-tiny"),
                                     dict(n_layer=4, n_head=4, n_embd=128, block_size=128))}
     if "real" in sizes:
         paths.update(gpt2=write_gpt2(os.path.join(models_dir, "gpt2")), smollm2=write_smollm2(os.path.join(models_dir, "smollm2-135m")),
-                     bert=write_bert(os.path.join(models_dir, "bert-base")), cifar=write_cifar(os.path.join(models_dir, "cifar10")))
+                     bert=write_bert(os.path.join(models_dir, "bert-base")), cifar=write_cifar(os.path.join(models_dir, "cifar10")),
+                     **write_splade_data(os.path.join(models_dir, "splade-stdlib")))
     return paths
 
 
@@ -169,6 +195,7 @@ def main(argv=None):
                    help="say whether nothing else ran on the machine (recorded with the result)")
     p.add_argument("--write-models", action="store_true", help="only write the models and data, then stop")
     args = p.parse_args(argv)
+    t_start = time.perf_counter()  # the whole bench, writing the models included
     paths = write_models(args.models, args.sizes)
     if args.write_models:
         print(json.dumps(paths, indent=2))
@@ -193,6 +220,9 @@ def main(argv=None):
             merge_into(args.out, report)
     shutil.rmtree(work, ignore_errors=True)
     report = make_report(args, rows)
+    report["bench_wall_seconds"] = {"+".join(args.sizes): round(time.perf_counter() - t_start, 1)}
+    if args.out:
+        merge_into(args.out, report)
     print(json.dumps(report, indent=2))
     return report
 
@@ -217,6 +247,7 @@ def merge_into(path, report):
         for key in ("before", "before_note"):
             if key in old:
                 report[key] = old[key]
+        report["bench_wall_seconds"] = {**old.get("bench_wall_seconds", {}), **report.get("bench_wall_seconds", {})}
     with open(path, "w") as f:
         json.dump(report, f, indent=2)
         f.write("\n")
@@ -238,7 +269,13 @@ def render(path, size="real"):
         if r["size"] == size:
             lines.append(f"| {r['script']} | `{r['flags']}` | {_gib(r['estimate'])} | {_gib(r['measured'])} | "
                          f"{r['measured_over_estimate']:.2f} |")
-    lines += ["", caption(report["machine"]) + f" Target: measured / estimate within {report['target'][0]}-"
+    runs = [r for r in report["rows"] if r["size"] == size]
+    whole = report.get("bench_wall_seconds", {}).get(size)
+    lines += ["", f"{len(runs)} runs, {sum(r['wall_seconds'] for r in runs) / 60:.1f} min of wall time in all "
+              f"({sum(r['cpu_seconds'] for r in runs) / 60:.1f} min of CPU time)"
+              + (f"; `python bench/memory_estimate.py --sizes {size}` took {whole / 60:.1f} min, writing the "
+                 f"models included." if whole else "."),
+              "", caption(report["machine"]) + f" Target: measured / estimate within {report['target'][0]}-"
               f"{report['target'][1]}. The CUDA column has not been measured yet (no GPU was available)."
               if report["device"] == "cpu" else caption(report["machine"])]
     return "\n".join(lines)
