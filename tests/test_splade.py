@@ -515,7 +515,10 @@ def test_estimate_memory_flags(capsys):
     cached = optimized.main(["--estimate-memory", "--batch-size", "8", "--gradient-accumulation-steps", "8",
                              "--device", "cpu"])["estimate"]
     efficient = optimized.main([*base, "--memory-efficient"])["estimate"]
-    assert sum(cached.values()) < sum(plain.values()) / 2
+
+    def tensors(estimate):  # the runtime rows are this (pytest) process's resident set: the same for both
+        return sum(v for k, v in estimate.items() if not k.startswith("runtime"))
+    assert tensors(cached) < tensors(plain) / 2
     assert efficient["encoder activations"] < plain["encoder activations"]
     assert "total (predicted peak)" in capsys.readouterr().out
 
