@@ -14,6 +14,7 @@ import argparse
 import atexit
 import base64
 import contextlib
+import ctypes
 import gc
 import hashlib
 import json
@@ -690,7 +691,7 @@ def main(argv=None):
         # or more goes back to the system at once (M_MMAP_THRESHOLD, -3 in malloc.h), so the resident set stays what
         # the tensors need instead of creeping up with the blocks glibc would keep for reuse (lib/memory.py)
         with contextlib.suppress(OSError, AttributeError):
-            __import__("ctypes").CDLL(None).mallopt(-3, 1 << 20)
+            ctypes.CDLL(None).mallopt(-3, 1 << 20)
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as error:

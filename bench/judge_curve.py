@@ -26,7 +26,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from bench.machine import caption, describe  # noqa: E402
+from bench.machine import describe  # noqa: E402
 
 RESULT = os.path.join(ROOT, "bench", "results", "judge_curve.json")
 SIZES = (100, 300, 600)
@@ -120,10 +120,10 @@ def render(path: str = RESULT) -> str:
             "|---:|---:|---:|---:|---:|---:|---:|---:|---|"]
     for p in report["points"]:
         load = {True: "quiet", False: "shared (time rough)"}.get(p.get("machine", {}).get("quiet"), "load not recorded")
+        threads = f"OMP_NUM_THREADS={p['threads']}" if p.get("threads") else "torch's default threads"
         rows.append(f"| {p['n_train']:,} | {p['optimizer_steps']} | {p['mae']:.2f} | {p['constant_mae']:.2f} | "
                     f"{p['pearson_r']:.2f} | {p['cohen_kappa']:.2f} | {p['unparseable']}/{p['n_test']} | "
-                    f"{minutes(p.get('wall_s'))} ({minutes(p.get('cpu_s'))}) | {load}, "
-                    f"{'OMP_NUM_THREADS=' + str(p['threads']) if p.get('threads') else 'torch' + chr(39) + 's default threads'} |")
+                    f"{minutes(p.get('wall_s'))} ({minutes(p.get('cpu_s'))}) | {load}, {threads} |")
     done = {p["n_train"] for p in report["points"]}
     missing = [n for n in report["planned"] if n not in done]
     lines = [f"{report['model']}, `{report['command']}` (every other flag at its default), on the CPU; "
