@@ -1,7 +1,7 @@
 """The judge's learning curve: test MAE and Pearson r of judge_train_mps.py against the number of
 training conversations, on a real model (NOT run by the test suite: each point is a real training run).
 
-    python bench/judge_curve.py --model DIR                          # 100, 300 and 600 conversations
+    python bench/judge_curve.py --model DIR                          # 100, 300, 600 and 1,200 conversations
     nice -n 10 python bench/judge_curve.py --model DIR --sizes 100 300
     python bench/judge_curve.py --add-run out/judge_600 --wall-s 1500 --cpu-s 1400   # a run made by hand
     python bench/judge_curve.py --render                             # the markdown figure, from the JSON
@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from bench.machine import describe  # noqa: E402
 
 RESULT = os.path.join(ROOT, "bench", "results", "judge_curve.json")
-SIZES = (100, 300, 600)
+SIZES = (100, 300, 600, 1200)
 EPOCHS, TEST_SAMPLES = 2, 60
 
 
@@ -62,7 +62,8 @@ def read_point(out_dir: str) -> dict:
     args = start["args"]
     return {
         "n_train": args["max_samples"], "epochs": args["epochs"], "lr": args["lr"], "lora_r": args["lora_r"],
-        "optimizer_steps": start["total_steps"], "n_test": m["n"], "n_scored": m["n_scored"],
+        # the steps run: fewer than planned when early stopping ended the run
+        "optimizer_steps": end.get("step", start["total_steps"]), "n_test": m["n"], "n_scored": m["n_scored"],
         "unparseable": m["unparseable"], "mae": m["mae"], "rmse": m["rmse"], "cohen_kappa": m["cohen_kappa"],
         "pearson_r": m["pearson_r"], "rouge_l_f1": m["rouge_l_f1"], "constant_score": const["score"],
         "constant_mae": const["mae"], "val_loss_first": vals[0] if vals else None,

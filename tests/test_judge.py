@@ -385,7 +385,7 @@ def test_learning_curve_reads_a_run_and_renders(trained, tmp_path):
     assert rows[1] == (f"| 800 | 200 | {point['mae']:.2f} | {point['constant_mae']:.2f} | {point['pearson_r']:.2f} | "
                        f"{point['cohen_kappa']:.2f} | {point['unparseable']}/24 | 2 min 00 s (0 min 59 s) | "
                        f"shared (time rough), torch's default threads |")
-    assert "Not measured yet: 300, 600 conversations" in table
+    assert "Not measured yet: 300, 600, 1,200 conversations" in table
     assert table.endswith("Measured on a CPU, 2 cores, torch 2.x, 2026-01-01.")
 
 
