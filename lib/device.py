@@ -134,7 +134,10 @@ def synchronize(device: torch.device):
         torch.mps.synchronize()
 
 
-def steady_cpu_heap(threshold: int = 1 << 20):
+MMAP_THRESHOLD = 1 << 20  # steady_cpu_heap's default: blocks of 1 MiB or more are mapped on their own
+
+
+def steady_cpu_heap(threshold: int = MMAP_THRESHOLD):
     """Linux (glibc): give every freed block of `threshold` bytes or more back to the system at once.
 
     By default glibc keeps freed blocks of up to 32 MiB in its heap for reuse (its mmap threshold

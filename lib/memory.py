@@ -45,7 +45,7 @@ FIRST_STEP_LABEL = "runtime: first step's kernels and threads"
 #    the heap: where a step's activations are such small blocks (one short conversation a step, as
 #    the judge's default batch of 1 on SmolLM2) and each step's differ in size, the heap keeps up to
 #    one more step's worth of them (cpu_heap_kept_bytes).
-MMAP_THRESHOLD = 1 << 20  # lib/device.steady_cpu_heap's default
+from lib.device import MMAP_THRESHOLD  # noqa: E402  (lib/device.steady_cpu_heap's default)
 
 
 def cpu_heap_kept_bytes(device_type: str, blocks, threshold: int = MMAP_THRESHOLD) -> int:
