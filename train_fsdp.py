@@ -463,7 +463,7 @@ def export_hf(out_dir, model, cfg, step):
 
 def print_estimate(cfg, n_params, block_size, estimate, args, mesh, mp_dtype, device, log):
     """--estimate-memory: the per-rank estimate beside the unsharded (DDP) one, and each rank's parameter count
-    from a meta model sharded for real (FSDP's counts, padding included, with no memory used)."""
+    from a meta model sharded for real (the local shards without their padding, with no memory used)."""
     world = mesh.size()
     sharded = build_sharded_model(cfg, mesh, args, mp_dtype, offload=False)
     counts = [None] * world
