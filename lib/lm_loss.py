@@ -24,7 +24,7 @@ When are the gradients made? Two ways, both here, both in one torch.autograd.Fun
 - recompute=True: forward keeps only the hidden states and one log-sum-exp per row; backward makes
   each chunk's logits again (a fourth matmul) and turns them into the gradients. Nothing the size of
   the weight is held between forward and backward: the choice when they are far apart (a loop that
-  runs several forwards before one backward). On a CPU the loss then takes 1.4 to 1.5 times the
+  runs several forwards before one backward). On a CPU the loss then takes 1.4 to 1.6 times the
   CPU time, and in this repo's tiny default the head is most of a step: so it is not the default.
 Checkpointing (torch.utils.checkpoint around a per-chunk F.cross_entropy) would also recompute,
 but it rebuilds each chunk's autograd graph, keeps the chunk's logits, fp32 copy, log-softmax and
