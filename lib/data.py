@@ -408,7 +408,7 @@ def _read_llmc(path: str, split: str) -> list:
                             f"llm.c's GPT-2 token shards")
         if header[1] != LLMC_VERSION:
             raise UserError(f"{fpath}: llm.c version {int(header[1])}, expected {LLMC_VERSION} (uint16 GPT-2 "
-                            f"tokens; version 2 holds uint32 Llama 3 tokens, which the GPT-2 scripts cannot read)")
+                            f"tokens; no other version holds ids the GPT-2 scripts can read)")
         count = int(header[2])
         if size != LLMC_HEADER_BYTES + 2 * count:
             raise UserError(f"{fpath}: the header says {count:,} tokens, so {LLMC_HEADER_BYTES + 2 * count:,} bytes, "
