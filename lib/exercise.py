@@ -56,8 +56,11 @@ def swap(name: str, reference):
     module, attr = learner_module(name), reference.__name__
     if not hasattr(module, attr):
         fail(f"exercise {name!r}: {path_of(name)} has no {attr}; keep the stub's names")
-    print(f"exercise {name}: using your {attr} from {os.path.relpath(path_of(name))} in place of "
-          f"{reference.__module__}.{attr}", flush=True)
+    where = reference.__module__
+    if where == "__main__":  # a script run directly: name its file
+        where = os.path.splitext(os.path.basename(sys.modules["__main__"].__file__))[0]
+    print(f"exercise {name}: using your {attr} from {os.path.relpath(path_of(name))} in place of {where}.{attr}",
+          flush=True)
     return getattr(module, attr)
 
 
