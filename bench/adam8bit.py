@@ -3,7 +3,8 @@
     nice -n 10 python bench/adam8bit.py --out bench/results/adam8bit.json [--quiet]
 
 Writes one JSON object (also printed) with
-- "drift": the same small MLP regression (every weight matrix large enough for 8-bit state) trained
+- "drift": the same small MLP regression (its width x width weights get 8-bit state; the biases and
+  the last Linear(width, 1) weight, under 4,096 elements, keep fp32 moments) trained
   from the same start on the same batches by torch.optim.AdamW (fp32 moments) and by
   lib/adam8bit.AdamW8bit; at chosen steps: both losses, the weights' distance apart relative to how
   far fp32 AdamW moved them, and the relative error of the 8-bit first and second moments against

@@ -11,12 +11,13 @@ absmaxes per parameter, about 2.03 bytes instead of fp32 AdamW's 8.
 
 Details that follow bitsandbytes (bnb.optim.AdamW8bit, optim_bits=8, block-wise):
 - the first moment (signed) and second moment (non-negative) use create_dynamic_map(signed=True)
-  and create_dynamic_map(signed=False); tests/fixtures/adam8bit_maps.json holds both tables as
+  and create_dynamic_map(signed=False); tests/fixtures/adam8bit_golden.json holds both tables as
   the real bitsandbytes builds them (made by tests/fixtures/make_adam8bit_golden.py);
 - a tensor with fewer than 4,096 elements (min_8bit_size) keeps fp32 moments: biases, norms and
   small LoRA matrices cost little and are where rounding would hurt the most;
-- a quantised first moment keeps its sign (a value that rounds to the 0 entry goes to the
-  smallest entry of its own sign), so tiny momenta never flip the direction of an update.
+- a quantised first moment keeps its sign: a negative value that would round to the 0 entry goes
+  to the smallest negative entry (0 counts as positive, as in bitsandbytes' sign-bit check, so a
+  tiny positive value may still round to 0), so tiny momenta never flip the direction of an update.
 Weight decay is decoupled (AdamW) and applied before the update, as torch.optim.AdamW does
 (bitsandbytes multiplies after; the difference is lr * wd * update, far below the 8-bit noise).
 
@@ -43,8 +44,8 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bi
     Decade i (i = 0 .. 6, values 10^(i-6) x [0.1, 1)) gets 2^i evenly spread entries per sign when
     signed, 2^(i+1) when not (the sign bit is spent on precision instead): the entries are the
     midpoints of 2^i + 1 (or 2^(i+1) + 1) points evenly spaced over [0.1, 1], times 10^(i-6).
-    Small decades get few entries, large ones many: the relative error stays a few percent from
-    1e-7 to 1. Add 0 and 1, sort, and the 256 codes are the sorted positions. Computed in float32
+    Small decades get few entries, large ones many: the worst relative error is a few percent in
+    the top decade and grows decade by decade below it (docs/adam8bit_explained.md tabulates it). Add 0 and 1, sort, and the 256 codes are the sorted positions. Computed in float32
     in the same order as bitsandbytes so that every entry is bit-for-bit the same.
     """
     values = []
