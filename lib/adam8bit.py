@@ -247,7 +247,7 @@ class AdamW8bit(torch.optim.Optimizer):
         return loss
 
     def _update(self, p, state, group):
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
         t, n = state["step"], p.numel()
         grad = p.grad.reshape(-1)
         p32 = p.detach().reshape(-1)
@@ -264,10 +264,10 @@ class AdamW8bit(torch.optim.Optimizer):
             if eight_bit:
                 blocks = slice(start // self.block_size, -(-end // self.block_size))
                 adamw8bit_update(w, g, local["state1"][start:end], local["absmax1"][blocks], local["state2"][start:end],
-                                 local["absmax2"][blocks], t, lr, (beta1, beta2), eps, wd, self.block_size)
+                                 local["absmax2"][blocks], t, lr, betas, eps, wd, self.block_size)
             else:
-                adamw_fp32_step(w, g, local["exp_avg"][start:end], local["exp_avg_sq"][start:end], t, lr, (beta1, beta2),
-                           eps, wd)
+                m, v = local["exp_avg"][start:end], local["exp_avg_sq"][start:end]
+                adamw_fp32_step(w, g, m, v, t, lr, betas, eps, wd)
         if p32.data_ptr() != p.data_ptr():
             p.copy_(p32.view_as(p))
         for k in names:
