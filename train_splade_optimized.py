@@ -30,7 +30,7 @@ import sys
 import torch
 
 import train_splade_unified as unified
-from lib import checkpoint, guards, metrics, optim, rundir
+from lib import checkpoint, exercise, guards, metrics, optim, rundir
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
 
@@ -162,6 +162,9 @@ def gradcache_step(model, micro_batches, lam_q, lam_d, amp, scaler):
         torch.autograd.backward([q, d], [gq, gd])
     set_rng_state(device, end_state)
     return {"loss": loss.item(), **{key: value.item() for key, value in stats.items()}}
+
+
+gradcache_step = exercise.swap("gradcache", gradcache_step)  # BYHAND_EXERCISE=gradcache: yours (exercises/)
 
 
 # --- memory-efficient mode: AdamW moments in CPU memory -------------------------------------------

@@ -57,7 +57,7 @@ import torch.nn.functional as F
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from lib import bert, checkpoint, guards, memory, metrics, optim, rundir, wordpiece
+from lib import bert, checkpoint, exercise, guards, memory, metrics, optim, rundir, wordpiece
 from lib import data as stdlib_data
 from lib import device as devices
 from lib.errors import UserError, report_and_exit
@@ -479,6 +479,9 @@ def splade_max(logits, attention_mask):
     return torch.log1p(torch.relu(logits.amax(dim=1)))
 
 
+splade_max = exercise.swap("splade", splade_max)  # BYHAND_EXERCISE=splade: yours (exercises/splade.py)
+
+
 def flops(reps):
     """naver/splade's FLOPS regulariser: sum over terms of (mean weight over the batch)^2.
 
@@ -487,6 +490,9 @@ def flops(reps):
     punishes a term most when the whole batch uses it (a term in every posting list is expensive).
     """
     return (reps.mean(dim=0) ** 2).sum()
+
+
+flops = exercise.swap("splade", flops)
 
 
 def ranking_loss(q_reps, d_reps, positives=None):

@@ -33,8 +33,12 @@ import math
 import torch
 import torch.nn.functional as F
 
+from lib import exercise
+
 BLOCK_SIZE = 256
-MIN_8BIT_SIZE = 4096
+# bitsandbytes' min_8bit_size; 0 while the adam8bit exercise runs, so that the small LoRA matrices of a tiny demo
+# (judge_train_cuda.py --model tiny) go through the learner's 8-bit code too.
+MIN_8BIT_SIZE = 0 if "adam8bit" in exercise.chosen() else 4096
 CHUNK = 2**18  # elements updated at once: 1 MiB fp32 temporaries, measured fastest on a CPU
 
 
@@ -147,6 +151,44 @@ def dequantize_blockwise(codes: torch.Tensor, absmax: torch.Tensor, signed: bool
     return values.view(-1, block_size) * absmax[:, None]
 
 
+def adamw_fp32_step(w, g, m, v, step, lr, betas, eps, weight_decay):
+    """One AdamW step in place on flat fp32 tensors: moments m, v (fp32) and weights w, gradient g."""
+    (beta1, beta2), step_size = betas, lr / (1 - betas[0] ** step)
+    m.mul_(beta1).add_(g, alpha=1 - beta1)
+    v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+    # AdamW: decay decoupled from the gradient, then the bias-corrected Adam step.
+    if weight_decay:
+        w.mul_(1 - lr * weight_decay)
+    # m / denominator first, then the step size: addcdiv_'s value= must fit in fp32, and an absurd
+    # --lr (1e38) should make the weights inf, which the run then refuses to save, not a traceback.
+    d = v.sqrt().div_(math.sqrt(1 - beta2 ** step)).add_(eps)
+    w.sub_(torch.div(m, d, out=d).mul_(step_size))  # the quotient in the denominator's buffer
+
+
+def adamw8bit_update(w, g, state1, absmax1, state2, absmax2, step, lr, betas, eps, weight_decay,
+                     block_size=BLOCK_SIZE):
+    """One AdamW step on flat fp32 weights w (in place) whose moments are stored in 8 bits.
+
+    state1/absmax1 hold the first moment (signed map), state2/absmax2 the second (unsigned map), as
+    quantize_blockwise returns them, one absmax per block of w. Dequantise both, run the fp32 AdamW
+    step (adamw_fp32_step), and write the new moments' codes and absmaxes back into the four tensors.
+    """
+    n = w.numel()
+    m = dequantize_blockwise(state1, absmax1, True, block_size).view(-1)[:n]
+    v = dequantize_blockwise(state2, absmax2, False, block_size).view(-1)[:n]
+    adamw_fp32_step(w, g, m, v, step, lr, betas, eps, weight_decay)
+    for codes, absmax, moment, signed in ((state1, absmax1, m, True), (state2, absmax2, v, False)):
+        new_codes, new_absmax = quantize_blockwise(moment, signed, block_size)
+        codes.copy_(new_codes)
+        absmax.copy_(new_absmax)
+
+
+# An exercise (exercises/adam8bit.py) may stand in for these three (BYHAND_EXERCISE=adam8bit).
+quantize_blockwise = exercise.swap("adam8bit", quantize_blockwise)
+dequantize_blockwise = exercise.swap("adam8bit", dequantize_blockwise)
+adamw8bit_update = exercise.swap("adam8bit", adamw8bit_update)
+
+
 class AdamW8bit(torch.optim.Optimizer):
     """AdamW whose moments are block-wise 8-bit (tensors of >= min_8bit_size elements) or fp32.
 
@@ -206,10 +248,8 @@ class AdamW8bit(torch.optim.Optimizer):
         return loss
 
     def _update(self, p, state, group):
-        lr, (beta1, beta2), eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
-        t = state["step"]
-        step_size, bias2_sqrt = lr / (1 - beta1 ** t), math.sqrt(1 - beta2 ** t)
-        n = p.numel()
+        lr, betas, eps, wd = group["lr"], group["betas"], group["eps"], group["weight_decay"]
+        t, n = state["step"], p.numel()
         grad = p.grad.reshape(-1)
         p32 = p.detach().reshape(-1)
         if p32.dtype != torch.float32 or p32.data_ptr() != p.data_ptr():
@@ -221,29 +261,14 @@ class AdamW8bit(torch.optim.Optimizer):
         # Chunks of whole blocks keep the temporaries small (cache-sized, reused by the allocator).
         for start in range(0, n, CHUNK):
             end = min(start + CHUNK, n)
-            g = grad[start:end].float()
+            g, w = grad[start:end].float(), p32[start:end]
             if eight_bit:
                 blocks = slice(start // self.block_size, -(-end // self.block_size))
-                m = dequantize_blockwise(local["state1"][start:end], local["absmax1"][blocks], True, self.block_size)
-                v = dequantize_blockwise(local["state2"][start:end], local["absmax2"][blocks], False, self.block_size)
-                m, v = m.view(-1)[:end - start], v.view(-1)[:end - start]
+                adamw8bit_update(w, g, local["state1"][start:end], local["absmax1"][blocks], local["state2"][start:end],
+                                 local["absmax2"][blocks], t, lr, betas, eps, wd, self.block_size)
             else:
                 m, v = local["exp_avg"][start:end], local["exp_avg_sq"][start:end]
-            m.mul_(beta1).add_(g, alpha=1 - beta1)
-            v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-            # AdamW: decay decoupled from the gradient, then the bias-corrected Adam step.
-            w = p32[start:end]
-            if wd:
-                w.mul_(1 - lr * wd)
-            # m / denominator first, then the step size: addcdiv_'s value= must fit in fp32, and an absurd
-            # --lr (1e38) should make the weights inf, which the run then refuses to save, not a traceback.
-            d = v.sqrt().div_(bias2_sqrt).add_(eps)
-            w.sub_(torch.div(m, d, out=d).mul_(step_size))  # the quotient in the denominator's buffer
-            if eight_bit:
-                for codes, absmax, moment, signed in (("state1", "absmax1", m, True), ("state2", "absmax2", v, False)):
-                    new_codes, new_absmax = quantize_blockwise(moment, signed, self.block_size)
-                    local[codes][start:end] = new_codes
-                    local[absmax][blocks] = new_absmax
+                adamw_fp32_step(w, g, m, v, t, lr, betas, eps, wd)
         if p32.data_ptr() != p.data_ptr():
             p.copy_(p32.view_as(p))
         for k in names:
