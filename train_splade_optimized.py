@@ -105,8 +105,8 @@ def choose_amp(device, args):
     if device.type == "cpu":
         raise UserError("--mixed-precision is not available on the CPU (16-bit autocast there is slower than fp32 "
                         "and saves little memory); drop --mixed-precision, or train on --device cuda or mps")
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    if device.type == "cuda":  # bf16 in hardware (Ampere and newer), not emulated: lib/device.amp_dtype
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return torch.bfloat16 if torch.backends.mps.is_macos_or_newer(14, 0) else torch.float16
 
 
@@ -239,7 +239,8 @@ def out_of_memory_advice(args, device):
     path = os.path.join(args.output_dir, checkpoint.WEIGHTS)
     step = checkpoint.weights_step(path) if os.path.isfile(path) else None
     kept = ("no checkpoint was saved yet" if step is None else
-            f"the last checkpoint (step {step}) in {args.output_dir} is kept, continue with --resume")
+            f"the last checkpoint (step {step}) in {args.output_dir} is kept: --resume continues it (with the same "
+            f"--batch-size and --gradient-accumulation-steps, fixed flags of a run; changing them is a new run)")
     return f"out of memory on {device}; {kept}; try {memory_advice(args, device)}"
 
 

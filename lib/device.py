@@ -46,8 +46,10 @@ def pick_device(name: str = None) -> torch.device:
 def amp_dtype(device: torch.device, requested: str = "auto"):
     """The autocast dtype, or None for plain fp32.
 
-    auto: bf16 on CUDA when the GPU has it (Ampere and newer), else fp16 (which then needs a
-    GradScaler, because fp16 gradients underflow); fp32 on CPU and MPS.
+    auto: bf16 on CUDA when the GPU has it in hardware (Ampere and newer), else fp16 (which then needs
+    a GradScaler, because fp16 gradients underflow); fp32 on CPU and MPS. torch.cuda.is_bf16_supported()
+    alone also says yes where bf16 is only emulated (a T4, a V100): including_emulation=False asks for
+    the hardware.
     """
     if requested == "fp32":
         return None
@@ -56,7 +58,7 @@ def amp_dtype(device: torch.device, requested: str = "auto"):
     if requested == "fp16":
         return torch.float16
     if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+        return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return None
 
 
