@@ -115,9 +115,9 @@ def test_a_learners_lora_trains_and_merges_in_finetune_lora(tmp_path, base, text
     (tmp_path / "mine" / "lora.py").write_text(textwrap.dedent(LEARNER_LORA))
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, "finetune_lora.py", "--init-from", base, "--data", text_dir,
-                           "--out-dir", str(out), "--steps", "20", "--lr", "2e-2", "--batch-size", "4",
-                           "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "100", "--dtype", "fp32",
-                           "--merge"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                           "--out-dir", str(out), "--steps", "10", "--warmup-steps", "2", "--lr", "2e-2",
+                           "--batch-size", "4", "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "100",
+                           "--dtype", "fp32", "--merge"], cwd=ROOT, capture_output=True, text=True, timeout=300,
                           env=clean_env(BYHAND_EXERCISE="lora", BYHAND_EXERCISE_DIR=str(tmp_path / "mine")))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for name in ("LoRALinear", "merge_lora"):
