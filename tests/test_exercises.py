@@ -23,8 +23,9 @@ TEST_FILES = sorted(os.path.relpath(p, ROOT) for p in glob.glob(os.path.join(ROO
 
 
 def clean_env(**extra):
+    """The suite's environment without any BYHAND_EXERCISE* of the caller's, one thread: the shapes are tiny."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("BYHAND_EXERCISE")}
-    return {**env, **extra}
+    return {**env, "OMP_NUM_THREADS": "1", **extra}
 
 
 def run_exercise_tests(tmp_path, **env):
