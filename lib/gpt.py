@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from lib import device as devices
-from lib import lm_loss, tokenizer
+from lib import exercise, lm_loss, tokenizer
 
 
 @dataclass
@@ -63,6 +63,28 @@ class CausalSelfAttention(nn.Module):
         )
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
+
+
+CausalSelfAttention = exercise.swap("attention", CausalSelfAttention)  # BYHAND_EXERCISE=attention: exercises/
+
+
+def is_causal(attention_class) -> bool:
+    """Whether changing the last token leaves every earlier output alone. An attention that sees the future
+    would make training look better, not worse, so a learner's is checked when it is swapped in."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        layer, x = attention_class(GPTConfig(n_layer=1, n_head=2, n_embd=8)).eval(), torch.randn(1, 4, 8)
+        with torch.no_grad():
+            return torch.allclose(layer(x)[:, :3], layer(torch.cat([x[:, :3], x[:, 3:] + 1], 1))[:, :3], atol=1e-5)
+
+
+try:
+    _causal = "attention" not in exercise.chosen() or is_causal(CausalSelfAttention)
+except NotImplementedError as e:
+    exercise.fail(f"exercise attention: {e}")
+if not _causal:
+    exercise.fail("exercise attention: your CausalSelfAttention lets a position see later tokens; "
+                  "python -m pytest exercises/test_attention.py shows where")
 
 
 class MLP(nn.Module):

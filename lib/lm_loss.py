@@ -46,6 +46,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lib import exercise
+
 # Rows per chunk: at least MIN_CHUNK_ROWS, more while the chunk's fp32 logits fit CHUNK_BYTES. Fewer
 # rows make the three matmuls slow: each chunk reads the whole [vocab, hidden] weight twice and adds
 # into the whole d_W once. On a 2-core CPU, 1,024 tokens of GPT-2's 50,257 words take 453 ms for the
@@ -259,6 +261,9 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, targets: to
     return _LinearCrossEntropy.apply(hidden2d, weight, flat_targets, ignore_index, chunk, _compute_dtype(hidden2d),
                                      reduction, recompute, grad_on and hidden2d.requires_grad,
                                      grad_on and weight.requires_grad)
+
+
+linear_cross_entropy = exercise.swap("lm_loss", linear_cross_entropy)  # BYHAND_EXERCISE=lm_loss: exercises/
 
 
 def shift_labels(labels: torch.Tensor, ignore_index: int = -100) -> torch.Tensor:

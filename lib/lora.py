@@ -21,6 +21,7 @@ import torch.nn as nn
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
+from lib import exercise
 from lib.checkpoint import atomic_write  # temporary name, then rename; the umask's mode
 from lib.nf4 import LinearNF4, dequantize_linear, replace_submodule
 
@@ -74,6 +75,9 @@ class LoRALinear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"r={self.r}, alpha={self.alpha}, scale={self.scale:.4g}, rslora={self.rslora}"
+
+
+LoRALinear = exercise.swap("lora", LoRALinear)  # BYHAND_EXERCISE=lora: exercises/lora.py's, in every script
 
 
 def target_matches(name: str, targets) -> bool:
@@ -312,3 +316,6 @@ def merge_lora(model: nn.Module) -> nn.Module:
         linear.weight.copy_((linear.weight.float() + delta.to(linear.weight.device)).to(linear.weight.dtype))
         replace_submodule(model, name, linear)
     return model
+
+
+merge_lora = exercise.swap("lora", merge_lora)

@@ -25,6 +25,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from lib import exercise
+
 # The 16 NF4 codes from the QLoRA paper / bitsandbytes. They are quantiles of
 # N(0, 1), rescaled to [-1, 1]: with normal weights every code is used about
 # equally often, so no code is wasted on values that hardly occur (uniform int4
@@ -108,6 +110,9 @@ def quantize_absmax(absmax: torch.Tensor, block_size: int = 256):
     return codes.reshape(-1)[:n].contiguous(), scale, mean
 
 
+quantize_absmax = exercise.swap("nf4", quantize_absmax)  # BYHAND_EXERCISE=nf4: exercises/nf4.py's, here and below
+
+
 def dequantize_absmax(codes: torch.Tensor, scale: torch.Tensor, mean: torch.Tensor,
                       block_size: int = 256) -> torch.Tensor:
     n = codes.numel()
@@ -115,6 +120,9 @@ def dequantize_absmax(codes: torch.Tensor, scale: torch.Tensor, mean: torch.Tens
         codes = F.pad(codes, (0, -n % block_size))
     blocks = codes.view(-1, block_size).float()
     return torch.addcmul(mean.float(), blocks, scale.float()[:, None]).view(-1)[:n]
+
+
+dequantize_absmax = exercise.swap("nf4", dequantize_absmax)
 
 
 def absmax_fp32(q: NF4Tensor) -> torch.Tensor:
@@ -172,6 +180,9 @@ def quantize_nf4(w: torch.Tensor, block_size: int = 64, double_quant: bool = Tru
     return NF4Tensor(packed, absmax, None, None, w.shape, w.dtype, block_size, absmax_block_size)
 
 
+quantize_nf4 = exercise.swap("nf4", quantize_nf4)
+
+
 def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """Rebuild the weight: code value * block absmax, in `dtype` (default: the original dtype)."""
     dtype = dtype or q.dtype
@@ -180,6 +191,18 @@ def dequantize_nf4(q: NF4Tensor, dtype: torch.dtype | None = None) -> torch.Tens
     values = table.index_select(0, q.packed.int())  # [n_pad / 2, 2] fp32
     values = values.view(-1, q.block_size).mul_(absmax_fp32(q)[:, None])
     return values.view(-1)[:q.numel].view(q.shape).to(dtype)
+
+
+dequantize_nf4 = exercise.swap("nf4", dequantize_nf4)
+if "nf4" in exercise.chosen():  # a poor quantiser would still train LoRA on top: check what it rebuilds
+    _w = torch.randn(64, 256, generator=torch.Generator().manual_seed(0))
+    try:
+        _error = ((dequantize_nf4(quantize_nf4(_w)) - _w).norm() / _w.norm()).item()
+    except NotImplementedError as e:
+        exercise.fail(f"exercise nf4: {e}")
+    if not _error < 0.1:
+        exercise.fail(f"exercise nf4: your quantize_nf4 and dequantize_nf4 rebuild N(0, 1) weights with {_error:.1%} "
+                      f"relative RMS error (NF4 gives 9.2%); python -m pytest exercises/test_nf4.py shows where")
 
 
 def bits_per_parameter(q: NF4Tensor) -> float:
