@@ -129,9 +129,8 @@ def check_run_dir(args, argv, options, world, log):
     except Exception as error:  # missing, truncated, garbled, foreign: which file, not where its reader failed
         raise UserError(f"{path} is damaged or missing ({type(error).__name__}); restore it, or start anew: "
                         f"--overwrite") from None
-    if state["world_size"] != world:  # each step's windows are split between the ranks: another count reads others
-        raise UserError(f"--resume: the run was saved by {state['world_size']} process(es), this is {world}; "
-                        f"launch {state['world_size']} (train.py resumes on another number)")
+    if state["world_size"] != world:  # a step's windows are split between the ranks: another count reads others
+        raise UserError(f"--resume: the run was saved by {state['world_size']} process(es), not {world}; start as many")
     given = {options[arg.split("=")[0]].dest for arg in argv if arg.split("=")[0] in options}
     for key in (key for key in FIXED + CHANGEABLE if key in saved):
         flag = "--" + key.replace("_", "-")
@@ -401,8 +400,7 @@ def run(args, parser, argv):
     # --- the process group, data, model and optimiser (with --resume: the saved weights, moments, RNG) ------
     if world > 1:  # the ranks meet: nccl between GPUs, gloo between CPU processes
         dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
-        # Freed at exit while Python is whole (with the DDP model, cyclic garbage): a gloo group freed during the
-        # interpreter's shutdown can abort with "terminate called without an active exception".
+        # Freed at exit while Python is whole: one freed in its shutdown can abort ("terminate called without ...")
         atexit.register(lambda: (dist.is_initialized() and dist.destroy_process_group(), gc.collect()))
 
     def across_ranks(tensor, op=dist.ReduceOp.SUM):  # every rank's value combined (their sum); alone, its own
@@ -508,8 +506,7 @@ def run(args, parser, argv):
             next_step = step + 1
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if step % args.log_interval == 0 or step == args.steps - 1:
-                # this step's; honest on a GPU too, as its .item()s wait for its queued work
-                tokens_per_s = tokens_per_step / max(time.perf_counter() - started, 1e-9)
+                tokens_per_s = tokens_per_step / (time.perf_counter() - started)  # .item() waited for the GPU
                 record["tokens_per_s"] = round(tokens_per_s)
                 log(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tokens_per_s:8,.0f} tok/s")
             log_metrics(**record)
@@ -521,20 +518,17 @@ def run(args, parser, argv):
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the save short
         save(next_step)
         log(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
-        if world > 1:  # every rank arrives first: a gloo rank that tears down while a peer still works can abort
+        if world > 1:  # every rank arrives before any leaves (at exit, the group goes: atexit above)
             dist.barrier()
-            dist.destroy_process_group()
         sys.exit(130)  # the shell's code for Ctrl-C
 
     # --- save and report --------------------------------------------
-    if args.steps > start_step or train_state is None:
-        val_loss = validate(next_step)
+    val_loss = validate(next_step)
     save(next_step)
     log(f"saved {args.out_dir}/checkpoint: config.json, model.safetensors (Hugging Face's layout), training_state.pt")
     log_metrics(event="end", step=next_step, val_loss=val_loss)
-    if world > 1:  # as on Ctrl-C: the barrier first
+    if world > 1:  # as on Ctrl-C: a gloo rank that leaves while a peer still works can abort it
         dist.barrier()
-        dist.destroy_process_group()
     return {"val_loss": val_loss}
 
 
