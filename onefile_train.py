@@ -90,7 +90,7 @@ def make_parser():
     add("--grad-clip", type=nonneg, default=1.0, help="clip the gradient norm (0: off)")
     add("--device", help="cuda, cuda:N, mps or cpu; if unset, the first available of cuda, mps, cpu")
     add("--seed", type=count, default=1337, help="seeds the weights, data and dropout")
-    add("--out-dir", default="out/onefile_train", help="OUT/checkpoint (the model, the training state), metrics")
+    add("--out-dir", default="out/onefile_train", help="the model, training state and metrics (OUT/checkpoint)")
     add("--resume", action="store_true", help="continue the run saved in --out-dir")
     add("--overwrite", action="store_true", help="replace a run saved in --out-dir with a fresh one")
     add("--eval-interval", type=positive_int, default=100, help="steps between validation losses")
