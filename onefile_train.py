@@ -6,14 +6,12 @@
 
 Read it top to bottom. With the same flags it gives train.py's loss at every step (tests/test_onefile.py), alone or
 under torchrun. Saved work is safe: no silent overwrite, an exact --resume, Ctrl-C saves, only finite weights are
-saved, and a save is one folder written in full, then renamed into place (OUT/checkpoint).
-Left to train.py and lib/ (docs/training_architecture.md):
-- the run directory (lib/rundir.py): commit folders (OUT/checkpoints/step-N) and --keep-last, --auto-resume, SIGTERM
-  handling and its agreement across ranks, torchrun --max-restarts, a resume on another number of processes
-  (elastic: lib/distributed.py), skipping non-finite updates;
-- data (lib/data.py): the token cache, the nanoGPT and llm.c token formats; --init-from (Hugging Face checkpoints);
-- torch.compile, --dtype (fp16 with a GradScaler; bf16 on a CPU), gpt2-large and -xl, MFU, a sample at the end,
-  the memory estimate and its stop before allocating (--estimate-memory, --force: lib/memory.py, lib/guards.py).
+saved, and a save is one folder written in full, then renamed into place (OUT/checkpoint). Left to train.py and
+lib/ (docs/training_architecture.md): commit folders (OUT/checkpoints/step-N) and --keep-last, --auto-resume, SIGTERM
+handling and its agreement across ranks, torchrun --max-restarts, a resume on another number of processes (elastic),
+skipping non-finite updates (lib/rundir.py, lib/distributed.py); the token cache, the nanoGPT and llm.c token formats
+(lib/data.py); --init-from (Hugging Face checkpoints), torch.compile, --dtype (fp16 with a GradScaler; bf16 on a
+CPU), gpt2-large and -xl, MFU, a sample at the end, the memory table, --estimate-memory and --force (lib/memory.py).
 """
 
 import argparse
@@ -67,9 +65,12 @@ def make_parser():
     positive = number(float, "a number > 0", lambda value: value > 0)
     nonneg = number(float, "a number >= 0", lambda value: value >= 0)
     below_one = number(float, "a number from 0 to below 1", lambda value: 0 <= value < 1)
+    class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):  # each default once; none for None or a switch
+        def _get_help_string(self, action):
+            return action.help if action.default is None or action.nargs == 0 else super()._get_help_string(action)
     # allow_abbrev=False: a flag is only taken whole, so --resume knows exactly which flags were given
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False,
-                                     formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
+                                     allow_abbrev=False)
     add = parser.add_argument
     add("--data", default="stdlib", help="a text file, a directory of text files, or 'stdlib'")
     add("--model-size", default="tiny", choices=list(MODEL_SIZES), help="a GPT-2 shape")
@@ -374,8 +375,7 @@ def run(args, parser, argv):
     available = ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available() + ["cpu"]
     try:  # --device if given and here, else the first of cuda, mps, cpu
         device = torch.device(args.device or available[0])
-        if device.type == "cuda" and world > 1:  # under torchrun each rank owns the GPU of its LOCAL_RANK
-            device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank) if device.type == "cuda" and world > 1 else device  # its own GPU
         torch.empty(0, device=device)  # a device that is not here (cuda:9, mps on Linux) fails now
         if device.type == "cuda":  # made current, for nccl
             torch.cuda.set_device(device)
@@ -416,16 +416,20 @@ def run(args, parser, argv):
     tokens_per_step = args.batch_size * cfg.block_size * args.grad_accum * world
     log(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, {n_params:,} parameters; device {device}"
         f"{f' x {world} ranks' if world > 1 else ''}, {'bf16' if amp else 'fp32'}; {tokens_per_step:,} tokens per step")
+    # At least: 16 bytes a parameter (weight, gradient, 2 AdamW moments), 17 values a token, layer, width for backward
+    needed = 16 * n_params + args.batch_size * cfg.block_size * cfg.n_embd * cfg.n_layer * (8 + 15 * (2 if amp else 4))
+    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
+        os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > have:  # stop before allocating it, and before --overwrite removes anything
+        raise UserError(f"the memory estimate ({needed / 2**30:.1f} GiB at least) exceeds the {have / 2**30:.1f} GiB "
+                        f"of this {device.type} device; lower --batch-size or --block-size, or pick a smaller model")
     if world > 1:  # DDP averages the ranks' gradients during backward, overlapping communication with compute
         model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    # AdamW (fused: one kernel for all). Decay pulls weights to zero: it regularises matrices (and embeddings, as
-    # nanoGPT) but hurts biases and gains.
-    matrices = [param for param in raw_model.parameters() if param.dim() >= 2]
-    others = [param for param in raw_model.parameters() if param.dim() < 2]
-    optimizer = torch.optim.AdamW([{"params": matrices, "weight_decay": args.weight_decay},
-                                   {"params": others, "weight_decay": 0.0}],
-                                  lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8, fused=True)
-    start_step, val_loss = 0, None
+    # AdamW, fused (one kernel). Decay pulls weights to 0: good for matrices and embeddings, bad for biases and gains
+    groups = [{"params": [p for p in raw_model.parameters() if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in raw_model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8, fused=True)
+    start_step = 0 if train_state is None else train_state["step"]
     if train_state is not None:  # the weights (back in our layout, lm_head tied again), moments and RNG
         weights = hf_layout(train_state["weights"].items())
         raw_model.load_state_dict({**weights, "lm_head.weight": weights["transformer.wte.weight"]})
@@ -433,7 +437,6 @@ def run(args, parser, argv):
         torch.set_rng_state(train_state["rng_cpu"])  # dropout draws from it
         if train_state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(train_state["rng_cuda"])
-        start_step = train_state["step"]
         log(f"resuming from step {start_step} in {args.out_dir}")
 
     @torch.no_grad()
@@ -482,7 +485,7 @@ def run(args, parser, argv):
     try:
         for step in range(start_step, args.steps):
             if step % args.eval_interval == 0:
-                val_loss = validate(step)
+                validate(step)
             started = time.perf_counter()
             lr = lr_at(step, args.lr, args.warmup_steps, args.steps, args.min_lr_ratio)
             for group in optimizer.param_groups:
@@ -503,8 +506,7 @@ def run(args, parser, argv):
                                f"stopped before the update")  # (train.py skips a few such updates: lib/guards.py)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            next_step = step + 1
-            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            next_step, record = step + 1, dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if step % args.log_interval == 0 or step == args.steps - 1:
                 tokens_per_s = tokens_per_step / (time.perf_counter() - started)  # .item() waited for the GPU
                 record["tokens_per_s"] = round(tokens_per_s)
