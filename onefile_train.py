@@ -390,12 +390,24 @@ def run(args, parser, argv):
     # bf16 autocast on a GPU that has it (weights, gradients and AdamW stay fp32), else fp32 throughout.
     amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
 
-    # --- model configuration: --model-size and the shape flags, recorded for a later --resume ---
+    # --- model configuration (recorded for a later --resume), its size and the memory it needs at least ---
     shape = {key: getattr(args, key) for key in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, key)}
     cfg = GPTConfig(**{**MODEL_SIZES[args.model_size], **shape}, dropout=args.dropout)
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}; pick a multiple of it")
     args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size
+    with torch.device("meta"):  # shapes only: counts the parameters without allocating them (tied wte once)
+        n_params = sum(param.numel() for param in GPT(cfg).parameters())
+    tokens_per_step = args.batch_size * cfg.block_size * args.grad_accum * world
+    log(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, {n_params:,} parameters; device {device}"
+        f"{f' x {world} ranks' if world > 1 else ''}, {'bf16' if amp else 'fp32'}; {tokens_per_step:,} tokens per step")
+    # At least: 16 bytes a parameter (weight, gradient, 2 AdamW moments), 17 values a token, layer, width for backward
+    needed = 16 * n_params + args.batch_size * cfg.block_size * cfg.n_embd * cfg.n_layer * (8 + 15 * (2 if amp else 4))
+    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
+        os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > have:  # stop before allocating it, and before --overwrite removes anything
+        raise UserError(f"the memory estimate ({needed / 2**30:.1f} GiB at least) exceeds the {have / 2**30:.1f} GiB "
+                        f"of this {device.type} device; lower --batch-size or --block-size, or pick a smaller model")
 
     # --- the process group, data, model and optimiser (with --resume: the saved weights, moments, RNG) ------
     if world > 1:  # the ranks meet: nccl between GPUs, gloo between CPU processes
@@ -412,17 +424,6 @@ def run(args, parser, argv):
     train_batches = Batches(tokens, "train", args.batch_size, cfg.block_size, args.seed, args.grad_accum, rank, world)
     val_batches = Batches(tokens, "val", args.batch_size, cfg.block_size, args.seed + 1)  # a fixed list, split below
     model = raw_model = GPT(cfg).to(device)
-    n_params = sum(param.numel() for param in raw_model.parameters())  # the tied wte / lm_head counts once
-    tokens_per_step = args.batch_size * cfg.block_size * args.grad_accum * world
-    log(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, {n_params:,} parameters; device {device}"
-        f"{f' x {world} ranks' if world > 1 else ''}, {'bf16' if amp else 'fp32'}; {tokens_per_step:,} tokens per step")
-    # At least: 16 bytes a parameter (weight, gradient, 2 AdamW moments), 17 values a token, layer, width for backward
-    needed = 16 * n_params + args.batch_size * cfg.block_size * cfg.n_embd * cfg.n_layer * (8 + 15 * (2 if amp else 4))
-    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
-        os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    if needed > have:  # stop before allocating it, and before --overwrite removes anything
-        raise UserError(f"the memory estimate ({needed / 2**30:.1f} GiB at least) exceeds the {have / 2**30:.1f} GiB "
-                        f"of this {device.type} device; lower --batch-size or --block-size, or pick a smaller model")
     if world > 1:  # DDP averages the ranks' gradients during backward, overlapping communication with compute
         model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
     # AdamW, fused (one kernel). Decay pulls weights to 0: good for matrices and embeddings, bad for biases and gains
@@ -502,7 +503,7 @@ def run(args, parser, argv):
             loss_value = (across_ranks(loss_sum) / world).item()  # each rank's loss is of its own windows
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf")).item()
             if not math.isfinite(loss_value + grad_norm):  # the update would turn weights into NaN: stop before it
-                raise diverged(f"the loss became {loss_value} (gradient norm {grad_norm}) at step {step}; "
+                raise diverged(f"the loss is {loss_value} and the gradient norm {grad_norm} at step {step}; "
                                f"stopped before the update")  # (train.py skips a few such updates: lib/guards.py)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -524,7 +525,7 @@ def run(args, parser, argv):
             dist.barrier()
         sys.exit(130)  # the shell's code for Ctrl-C
 
-    # --- save and report --------------------------------------------
+    # --- save and report ---------------------------------------------------------------------------
     val_loss = validate(next_step)
     save(next_step)
     log(f"saved {args.out_dir}/checkpoint: config.json, model.safetensors (Hugging Face's layout), training_state.pt")
