@@ -5,24 +5,25 @@
     torchrun --standalone --nproc_per_node=2 onefile_train.py  # DDP: one process per device
 
 Read it top to bottom. With the same flags it gives train.py's loss at every step (tests/test_onefile.py), alone or
-under torchrun; saved work is safe: no silent overwrite, an exact --resume, Ctrl-C saves, only finite weights are
-saved. Left to train.py (docs/training_architecture.md): --init-from (Hugging Face checkpoints), torch.compile, fp16
-with a GradScaler (--dtype), gpt2-large and -xl, MFU, the memory table, the token cache, pinned batches, a sample.
+under torchrun. Saved work is safe: no silent overwrite, an exact --resume, Ctrl-C saves, only finite weights are
+saved, and a save is one folder written in full, then renamed into place (OUT/checkpoint). Left to train.py and
+lib/ (docs/training_architecture.md): commit folders (OUT/checkpoints/step-N) and --keep-last, --auto-resume, SIGTERM
+handling and its agreement across ranks, torchrun --max-restarts, a resume on another number of processes (elastic),
+skipping non-finite updates (lib/rundir.py, lib/distributed.py); the token cache, the nanoGPT and llm.c token formats
+(lib/data.py); --init-from (Hugging Face checkpoints), torch.compile, --dtype (fp16 with a GradScaler; bf16 on a
+CPU), gpt2-large and -xl, MFU, a sample at the end, the memory table, --estimate-memory and --force (lib/memory.py).
 """
 
 import argparse
 import atexit
 import base64
 import contextlib
-import ctypes
 import gc
 import hashlib
 import json
 import math
 import os
 import pathlib
-import re
-import resource
 import shutil
 import signal
 import sys
@@ -37,7 +38,6 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 MODEL_SIZES = {  # the published GPT-2 shapes (larger ones: train.py); "tiny" is this repository's CPU default
@@ -52,11 +52,6 @@ class UserError(Exception):
 
 
 # --- arguments ----------------------------------------------------------------------------------
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):  # each default once; none for None or a switch
-    def _get_help_string(self, action):
-        return action.help if action.default is None or action.nargs == 0 else super()._get_help_string(action)
-
-
 def make_parser():
     def number(kind, what, test):  # an argparse type: a value that is not finite, or fails test, is its usage error
         def parse(text):  # "x": kind's ValueError, which argparse reports as an invalid value
@@ -70,6 +65,9 @@ def make_parser():
     positive = number(float, "a number > 0", lambda value: value > 0)
     nonneg = number(float, "a number >= 0", lambda value: value >= 0)
     below_one = number(float, "a number from 0 to below 1", lambda value: 0 <= value < 1)
+    class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):  # each default once; none for None or a switch
+        def _get_help_string(self, action):
+            return action.help if action.default is None or action.nargs == 0 else super()._get_help_string(action)
     # allow_abbrev=False: a flag is only taken whole, so --resume knows exactly which flags were given
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=HelpFormatter,
                                      allow_abbrev=False)
@@ -93,23 +91,17 @@ def make_parser():
     add("--grad-clip", type=nonneg, default=1.0, help="clip the gradient norm (0: off)")
     add("--device", help="cuda, cuda:N, mps or cpu; if unset, the first available of cuda, mps, cpu")
     add("--seed", type=count, default=1337, help="seeds the weights, data and dropout")
-    add("--out-dir", default="out/onefile_train", help="checkpoint, training state and metrics")
+    add("--out-dir", default="out/onefile_train", help="the model, training state and metrics (OUT/checkpoint)")
     add("--resume", action="store_true", help="continue the run saved in --out-dir")
     add("--overwrite", action="store_true", help="replace a run saved in --out-dir with a fresh one")
-    add("--auto-resume", action="store_true", help="--resume if --out-dir holds a saved run, else start one (the "
-        "command line for torchrun --max-restarts and requeued jobs)")
-    add("--keep-last", type=positive_int, default=1, help="complete checkpoints kept in OUT/checkpoints")
-    add("--force", action="store_true", help="run even when the memory estimate exceeds the device's")
     add("--eval-interval", type=positive_int, default=100, help="steps between validation losses")
     add("--eval-batches", type=positive_int, default=10, help="batches per validation loss")
     add("--save-interval", type=positive_int, default=100, help="steps between checkpoints")
     add("--log-interval", type=positive_int, default=10, help="steps between progress lines")
-    add("--estimate-memory", action="store_true", help="print the predicted peak memory and exit")
     return parser
 
 
 # --- the run directory: check everything, then write (train.py: lib/rundir.py) -------------------
-SAVED = ("config.json", "model.safetensors", "training_state.pt")  # a run is saved here if any of them is
 # --resume: flags not given keep the saved values; FIXED ones make the run what it is, CHANGEABLE ones are reported.
 FIXED = ("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "data", "seed", "batch_size",
          "grad_accum")
@@ -117,56 +109,29 @@ CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "be
               "eval_interval", "eval_batches", "save_interval", "log_interval")
 
 
-def committed(out_dir):  # OUT/checkpoints/step-N, newest first (step-N.2: the same step saved again)
-    root = os.path.join(out_dir, "checkpoints")
-    names = [n for n in os.listdir(root) if re.fullmatch(r"step-\d+(\.\d+)?", n)] if os.path.isdir(root) else []
-    return [os.path.join(root, n) for n in sorted(names, key=lambda n: [int(x) for x in n[5:].split(".")] + [1])[::-1]]
-
-
-def check_run_dir(args, argv, options, log):
-    """A saved run is continued (--resume) or replaced (--overwrite), never silently; the saved state or None.
-    A saved run is its newest complete checkpoint (lib/rundir.py: a damaged one is skipped for the one before)."""
-    if (args.resume or args.auto_resume) and args.overwrite:
+def check_run_dir(args, argv, options, world, log):
+    """A saved run is continued (--resume) or replaced (--overwrite), never silently; returns the saved state or None.
+    Every saved file is read whole here: a damaged one stops the run before anything is written."""
+    if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
-    has_root = os.path.isdir(os.path.join(args.out_dir, "checkpoints"))  # files without a commit: a first save cut short
-    found = [n for n in SAVED if os.path.exists(os.path.join(args.out_dir, n))] if not has_root else committed(args.out_dir)
-    if args.auto_resume and not args.resume:
-        args.resume = bool(found)
-        log(f"--auto-resume: continuing the run saved in {args.out_dir}" if found else
-            f"--auto-resume: {args.out_dir} holds no saved run; starting a new one")
+    # OUT/checkpoint; or OUT/checkpoint.old, if a save stopped between its two renames (save_checkpoint)
+    folder = next((path for path in (f"{args.out_dir}/checkpoint", f"{args.out_dir}/checkpoint.old")
+                   if os.path.isdir(path)), None)
     if not args.resume:
-        if found and not (args.overwrite or args.estimate_memory):
-            raise UserError(f"{args.out_dir} already holds a saved run ({', '.join(found)}); pass --resume to "
-                            f"continue it, --overwrite to replace it, or another --out-dir")
+        if folder and not args.overwrite:
+            raise UserError(f"{args.out_dir} already holds a saved run ({folder}); pass --resume to continue it, "
+                            f"--overwrite to replace it, or another --out-dir")
         return None
-    errors = []
-    for folder in committed(args.out_dir) or [args.out_dir]:  # a run saved before checkpoints/: its top level
-        path = os.path.join(folder, "training_state.pt")  # config.json is for others: this program only writes it
-        try:
-            state = torch.load(path, map_location="cpu", weights_only=True)  # a pickle that cannot run code
-            saved, path = json.loads(state["args"]), os.path.join(folder, "model.safetensors")
-            weights_step = int(safe_open(path, framework="pt").metadata()["step"])  # the header, checked for its length
-            if weights_step != state["step"]:
-                raise UserError(f"--resume: the weights in {folder} are from step {weights_step}, the training state "
-                                f"from step {state['step']}: the save was interrupted; start again with --overwrite")
-            break
-        except FileNotFoundError:
-            errors.append(UserError(f"--resume: {path} does not exist; run without --resume first"))
-        except UserError as error:
-            errors.append(error)
-        except Exception as error:  # truncated, garbled, foreign: which file, not where its reader failed
-            errors.append(UserError(f"{path} is damaged ({type(error).__name__}); restore it, or start anew: "
-                                    f"--overwrite"))
-        log(f"--resume: skipping the checkpoint {folder}: {str(errors[-1]).split(';')[0]}")
-    else:
-        raise errors[0]
-    for name in SAVED if folder != args.out_dir else ():  # the top of OUT made that checkpoint again (hard links)
-        top = os.path.join(args.out_dir, name)
-        if not (os.path.exists(top) and os.path.samefile(top, os.path.join(folder, name))):
-            with contextlib.suppress(FileNotFoundError):
-                os.remove(f"{top}.tmp-{os.getpid()}")
-            os.link(os.path.join(folder, name), f"{top}.tmp-{os.getpid()}")
-            os.replace(f"{top}.tmp-{os.getpid()}", top)
+    path = os.path.join(folder or f"{args.out_dir}/checkpoint", "training_state.pt")
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=True)  # a pickle that cannot run code
+        saved, path = json.loads(state["args"]), os.path.join(folder, "model.safetensors")
+        state["weights"] = load_file(path)  # safetensors checks that the file holds every tensor it lists
+    except Exception as error:  # missing, truncated, garbled, foreign: which file, not where its reader failed
+        raise UserError(f"{path} is damaged or missing ({type(error).__name__}); restore it, or start anew: "
+                        f"--overwrite") from None
+    if state["world_size"] != world:  # a step's windows are split between the ranks: another count reads others
+        raise UserError(f"--resume: the run was saved by {state['world_size']} process(es), not {world}; start as many")
     given = {options[arg.split("=")[0]].dest for arg in argv if arg.split("=")[0] in options}
     for key in (key for key in FIXED + CHANGEABLE if key in saved):
         flag = "--" + key.replace("_", "-")
@@ -322,7 +287,6 @@ class LinearCrossEntropy(torch.autograd.Function):
     [tokens, vocab] logits never exist whole (lib/lm_loss.py compacted, docs/big_vocab_loss.md explained). The
     gradients are made in forward, while each chunk's logits are there: in place, the logits become d loss / d logits
     = softmax - onehot(target), then d hidden = that @ W and d W += that^T hidden (in fp32); backward scales them."""
-    logits_buffers = {}  # per device, one chunk's fp32 logits, kept between steps: a CPU then gets no new pages
 
     @staticmethod
     def forward(ctx, hidden, weight, targets):
@@ -332,15 +296,11 @@ class LinearCrossEntropy(torch.autograd.Function):
         rows = -(-len(hidden) // -(-len(hidden) // rows))  # even chunks: 1,024 rows are 2 x 512, not 664 + 360
         total, d_hidden, d_weight = torch.zeros((), device=hidden.device), torch.empty_like(hidden), \
             torch.zeros_like(weight)  # the head's gradient in fp32, as the weight is
-        buffer = LinearCrossEntropy.logits_buffers.get(str(hidden.device))
-        if buffer is None or buffer.shape != (rows, weight.shape[0]):
-            buffer = LinearCrossEntropy.logits_buffers[str(hidden.device)] = weight.new_empty(rows, weight.shape[0])
         with torch.autocast(kind, enabled=False):
             head = weight.to(dtype)
             for start in range(0, len(hidden), rows):
                 chunk, labels = hidden[start : start + rows].to(dtype), targets[start : start + rows, None]
-                logits = buffer[: len(chunk)]  # this chunk's, fp32, in the buffer every chunk reuses: no new pages
-                torch.mm(chunk, head.t(), out=logits) if dtype == torch.float32 else logits.copy_(chunk @ head.t())
+                logits = (chunk @ head.t()).float()  # this chunk's logits, in fp32 for the softmax
                 target_logit = logits.gather(1, labels).squeeze(1)
                 top = logits.amax(dim=1, keepdim=True)  # subtracted before exp, so nothing overflows
                 sumexp = logits.sub_(top).exp_().sum(dim=1)
@@ -359,14 +319,7 @@ class LinearCrossEntropy(torch.autograd.Function):
         return d_hidden.mul_(scale), d_weight.mul_(scale), None
 
 
-# --- optimiser, learning-rate schedule, memory ----------------------------------------------------
-def make_adamw(model, lr, weight_decay, betas):
-    # Decay pulls weights to zero: it regularises matrices (and embeddings, as nanoGPT) but hurts biases and gains.
-    groups = [{"params": [param for param in model.parameters() if param.dim() >= 2], "weight_decay": weight_decay},
-              {"params": [param for param in model.parameters() if param.dim() < 2], "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=1e-8, fused=True)  # fused: one kernel for all
-
-
+# --- learning-rate schedule ----------------------------------------------------
 def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio):  # linear warmup, then cosine to min_lr_ratio
     if step < warmup_steps:
         return max_lr * (step + 1) / warmup_steps
@@ -374,51 +327,9 @@ def lr_at(step, max_lr, warmup_steps, total_steps, min_lr_ratio):  # linear warm
     return max_lr * (min_lr_ratio + (1.0 - min_lr_ratio) * 0.5 * (1.0 + math.cos(math.pi * progress)))
 
 
-def estimate_memory(cfg, n_params, batch_size, device_type, amp, ddp, runtime=0):
-    """Predicted peak bytes of AdamW training per process (lib/memory.py's formula; train.py prints a table).
-    runtime: on a CPU, the resident set measured before the model is built (Python, torch, the BPE table)."""
-    tokens, act_bytes = batch_size * cfg.block_size, 2 if amp else 4
-    # Autograd keeps, per block and token, 2 LayerNorm inputs in fp32 and 15 x n_embd matmul ins and outs.
-    per_block = tokens * cfg.n_embd * (2 * 4 + 15 * act_bytes + (6 if cfg.dropout > 0 else 0))
-    # fp32 weights, gradients and 2 AdamW moments; DDP all-reduces the gradients from a flat fp32 copy (buckets)
-    return {"weights, gradients, AdamW moments": n_params * (20 if ddp else 16),
-            "activations": cfg.n_layer * per_block + tokens * cfg.n_embd * 4 * 3,  # + embeddings out, ln_f in/out
-            # the loss: a chunk's fp32 logits (+ bf16 copy), d x, bf16 head and chunk d_W; the tied wte's 2nd gradient
-            "loss": -(-tokens // -(-tokens // max(256, 2**27 // (4 * (cfg.vocab_size + 2 * cfg.n_embd)))))
-            * cfg.vocab_size * (6 if amp else 4) + tokens * cfg.n_embd * 4
-            + cfg.vocab_size * cfg.n_embd * (8 if amp else 4),
-            # CPU: that resident set, measured, + 20 MiB the first step's kernels and threads add; MPS: the driver's
-            # own; CUDA's max_memory_allocated counts tensors only.
-            "runtime": {"cpu": runtime + 20 * 2**20, "mps": 100 * 2**20}.get(device_type, 0)}
-
-
-def peak_memory(device):  # CUDA: the most allocated by tensors; MPS: what the driver holds; CPU: the peak RSS
-    if device.type != "cpu":
-        return torch.cuda.max_memory_allocated(device) if device.type == "cuda" else torch.mps.driver_allocated_memory()
-    if os.path.exists("/proc/self/status"):  # Linux: the high-water mark since reset_peak_memory
-        with open("/proc/self/status") as status:
-            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-
-
-def reset_peak_memory(device):  # so that tokenising the data does not count as training
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    elif device.type == "cpu" and os.path.exists("/proc/self/clear_refs"):
-        with contextlib.suppress(OSError), open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")  # Linux: resets the resident set's high-water mark (VmHWM)
-
-
-def resident_bytes():  # the CPU process's resident set now (Linux: /proc; elsewhere the peak so far is the nearest)
-    import torch._dynamo  # noqa: F401  (fused AdamW imports it, about 70 MiB, on its first step: counted now)
-    with contextlib.suppress(OSError), open("/proc/self/statm") as statm:
-        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    return peak_memory(torch.device("cpu"))
-
-
 # --- checkpoint ---------------------------------------------------------------------------------
-# config.json + model.safetensors in transformers' GPT-2 names and layouts, for anyone; training_state.pt for
-# --resume. transformers stores these four as Conv1D, whose weight is [in, out]: nn.Linear's transpose.
+# OUT/checkpoint: config.json + model.safetensors in transformers' GPT-2 names and layouts, for anyone, and
+# training_state.pt for --resume. transformers stores these four as Conv1D: [in, out], nn.Linear's transpose.
 CONV1D_NAMES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 
 
@@ -426,43 +337,33 @@ def hf_layout(tensors):  # (name, tensor) pairs from our layout to transformers'
     return {name: (tensor.t() if name.endswith(CONV1D_NAMES) else tensor).contiguous() for name, tensor in tensors}
 
 
-def save_checkpoint(out_dir, model, optimizer, step, args, first_val, keep_last=1):
-    """Weights in the HF layout, then the state --resume needs. step = the next step to run."""
-    def atomic_write(name, write):  # to a temporary name, then renamed: the old file or the new, never half of one
-        path = os.path.join(out_dir, name)
-        write(f"{path}.tmp-{os.getpid()}")
-        os.replace(f"{path}.tmp-{os.getpid()}", path)
-    # lm_head is tied to wte: transformers re-ties it on load. The step lets --resume match weights and state.
+def save_checkpoint(out_dir, model, optimizer, step, args, world):
+    """Weights in the HF layout and the state --resume needs after `step` updates, atomically: all three files go
+    into OUT/checkpoint.tmp, which one rename makes OUT/checkpoint. A crash before it leaves the previous checkpoint;
+    a crash just after it moved aside leaves that as OUT/checkpoint.old, which --resume reads."""
+    final, tmp, old = (os.path.join(out_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
+    shutil.rmtree(tmp, ignore_errors=True)  # what a crash in an earlier save left
+    os.makedirs(tmp)
+    # lm_head is tied to wte: transformers re-ties it on load.
     tensors = hf_layout((name, tensor.detach().cpu()) for name, tensor in model.state_dict().items()
                         if name != "lm_head.weight")
-    atomic_write("model.safetensors", lambda tmp: save_file(tensors, tmp, metadata={"format": "pt", "step": str(step)}))
+    save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "step": str(step)})
     cfg = model.config
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
               "n_positions": cfg.block_size, "n_ctx": cfg.block_size, "n_embd": cfg.n_embd, "n_layer": cfg.n_layer,
               "n_head": cfg.n_head, "n_inner": None, "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5,
               **dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), cfg.dropout), "initializer_range": 0.02,
               "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True, "torch_dtype": "float32"}
-    atomic_write("config.json", lambda tmp: pathlib.Path(tmp).write_text(json.dumps(config)))
+    pathlib.Path(tmp, "config.json").write_text(json.dumps(config))
     state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
-             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
-             "args": json.dumps(vars(args)), "first_val_loss": first_val}  # "started at" after a resume
-    atomic_write("training_state.pt", lambda tmp: torch.save(state, tmp))
-    # The commit: three renames are not one, and a crash between two of them would leave the weights of one step
-    # beside the state of another. So the three files are hard-linked (no bytes copied) into a staging folder, which
-    # ONE rename makes OUT/checkpoints/step-N: before it the previous checkpoint is the complete one, after it this
-    # one. The links keep each file whole when the next save replaces the top of OUT. Older checkpoints go last.
-    root = os.path.join(out_dir, "checkpoints")
-    name, again = f"step-{step:06d}", 1
-    while os.path.exists(os.path.join(root, name + (f".{again}" if again > 1 else ""))):
-        again += 1
-    staging, name = os.path.join(root, f".{name}.tmp-{os.getpid()}"), name + (f".{again}" if again > 1 else "")
-    shutil.rmtree(staging, ignore_errors=True)
-    os.makedirs(staging)
-    for file in SAVED:
-        os.link(os.path.join(out_dir, file), os.path.join(staging, file))
-    os.rename(staging, os.path.join(root, name))  # THE COMMIT POINT
-    for old in committed(out_dir)[keep_last:] + [os.path.join(root, n) for n in os.listdir(root) if ".tmp-" in n]:
+             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], "world_size": world,
+             "args": json.dumps(vars(args))}
+    torch.save(state, os.path.join(tmp, "training_state.pt"))
+    if os.path.isdir(final):  # the previous checkpoint steps aside (a directory cannot be renamed onto another)
         shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+    os.rename(tmp, final)  # THE COMMIT POINT: from here on this save is the checkpoint
+    shutil.rmtree(old, ignore_errors=True)
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -474,57 +375,44 @@ def run(args, parser, argv):
     available = ["cuda"] * torch.cuda.is_available() + ["mps"] * torch.backends.mps.is_available() + ["cpu"]
     try:  # --device if given and here, else the first of cuda, mps, cpu
         device = torch.device(args.device or available[0])
-        if device.type == "cuda" and world > 1:  # under torchrun each rank owns the GPU of its LOCAL_RANK
-            device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", local_rank) if device.type == "cuda" and world > 1 else device  # its own GPU
         torch.empty(0, device=device)  # a device that is not here (cuda:9, mps on Linux) fails now
         if device.type == "cuda":  # made current, for nccl
             torch.cuda.set_device(device)
-        if not args.estimate_memory:  # made now, with a file written: a path mistake stops here, not in an hour
-            os.makedirs(args.out_dir, exist_ok=True)
-            tempfile.TemporaryFile(dir=args.out_dir).close()
+        os.makedirs(args.out_dir, exist_ok=True)  # made now, with a file written: a path mistake stops here
+        tempfile.TemporaryFile(dir=args.out_dir).close()
     except (RuntimeError, AssertionError):
         raise UserError(f"--device {args.device!r} is not available here; use one of {', '.join(available)}") from None
     except OSError as error:
         raise UserError(f"--out-dir {args.out_dir} cannot be written ({error.strerror}); pick another one") from None
-    train_state = check_run_dir(args, argv, parser._option_string_actions, log)
+    train_state = check_run_dir(args, argv, parser._option_string_actions, world, log)
     torch.manual_seed(args.seed)  # the same seed on every rank: identical initial weights. Rank 0 alone writes.
     # bf16 autocast on a GPU that has it (weights, gradients and AdamW stay fp32), else fp32 throughout.
     amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
 
-    # --- model configuration and memory: --model-size and the shape flags, recorded for a later --resume ---
+    # --- model configuration (recorded for a later --resume), its size and the memory it needs at least ---
     shape = {key: getattr(args, key) for key in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, key)}
     cfg = GPTConfig(**{**MODEL_SIZES[args.model_size], **shape}, dropout=args.dropout)
     if cfg.n_embd % cfg.n_head:
         raise UserError(f"--n-embd {cfg.n_embd} is not divisible by --n-head {cfg.n_head}; pick a multiple of it")
     args.n_layer, args.n_head, args.n_embd, args.block_size = cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.block_size
-    with torch.device("meta"):  # shapes only: counts the parameters without allocating them
-        n_params = sum(param.numel() for param in GPT(cfg).parameters())  # the tied wte / lm_head counts once
+    with torch.device("meta"):  # shapes only: counts the parameters without allocating them (tied wte once)
+        n_params = sum(param.numel() for param in GPT(cfg).parameters())
     tokens_per_step = args.batch_size * cfg.block_size * args.grad_accum * world
-    estimate = estimate_memory(cfg, n_params, args.batch_size, device.type, amp is not None, world > 1,
-                               resident_bytes() if device.type == "cpu" else 0)
     log(f"model: {cfg.n_layer} layers, {cfg.n_head} heads, {cfg.n_embd} wide, {n_params:,} parameters; device {device}"
         f"{f' x {world} ranks' if world > 1 else ''}, {'bf16' if amp else 'fp32'}; {tokens_per_step:,} tokens per step")
-    log("memory estimate: " + ", ".join(f"{part} {size / 2**20:,.0f} MiB" for part, size in estimate.items()))
-    if args.estimate_memory:
-        return estimate
-    needed = sum(estimate.values()) * (int(os.environ.get("LOCAL_WORLD_SIZE", 1)) if device.type == "cpu" else 1)
-    free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
-        os.sysconf("SC_PHYS_PAGES") * resource.getpagesize()
-    if needed > 1.25 * free and not args.force:  # clearly more: stop before allocating (CPU ranks share its RAM)
-        raise UserError(f"the memory estimate ({needed / 2**30:.1f} GiB) exceeds the {free / 2**30:.1f} GiB of this "
-                        f"{device.type} device; lower --batch-size or --block-size, pick a smaller model, or --force")
+    # At least: 16 bytes a parameter (weight, gradient, 2 AdamW moments), 17 values a token, layer, width for backward
+    needed = 16 * n_params + args.batch_size * cfg.block_size * cfg.n_embd * cfg.n_layer * (8 + 15 * (2 if amp else 4))
+    have = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else \
+        os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if needed > have:  # stop before allocating it, and before --overwrite removes anything
+        raise UserError(f"the memory estimate ({needed / 2**30:.1f} GiB at least) exceeds the {have / 2**30:.1f} GiB "
+                        f"of this {device.type} device; lower --batch-size or --block-size, or pick a smaller model")
 
     # --- the process group, data, model and optimiser (with --resume: the saved weights, moments, RNG) ------
     if world > 1:  # the ranks meet: nccl between GPUs, gloo between CPU processes
-        # After torchrun --max-restarts starts the group again, its store still holds the dead launch's keys:
-        # each launch meets under its own prefix (lib/distributed.restart_store).
-        launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
-        store = {} if not launch else {"rank": rank, "world_size": world, "store": dist.PrefixStore(
-            f"byhand/launch-{launch}", dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
-                                                     is_master=False))}
-        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", **store)
-        # At exit, while Python is whole, the group goes, and the DDP model holding it (cyclic garbage): a gloo
-        # group freed as the interpreter shuts down can abort with "terminate called without an active exception".
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+        # Freed at exit while Python is whole: one freed in its shutdown can abort ("terminate called without ...")
         atexit.register(lambda: (dist.is_initialized() and dist.destroy_process_group(), gc.collect()))
 
     def across_ranks(tensor, op=dist.ReduceOp.SUM):  # every rank's value combined (their sum); alone, its own
@@ -533,27 +421,27 @@ def run(args, parser, argv):
         return tensor
 
     tokens = tokenize(args.data, log)
-    reset_peak_memory(device)  # the measured peak is training's, as the estimate is
     train_batches = Batches(tokens, "train", args.batch_size, cfg.block_size, args.seed, args.grad_accum, rank, world)
     val_batches = Batches(tokens, "val", args.batch_size, cfg.block_size, args.seed + 1)  # a fixed list, split below
     model = raw_model = GPT(cfg).to(device)
     if world > 1:  # DDP averages the ranks' gradients during backward, overlapping communication with compute
         model = nn.parallel.DistributedDataParallel(model, device_ids=[local_rank] if device.type == "cuda" else None)
-    optimizer = make_adamw(raw_model, args.lr, args.weight_decay, (args.beta1, args.beta2))
-    start_step, first_val, val_loss = 0, None, None
+    # AdamW, fused (one kernel). Decay pulls weights to 0: good for matrices and embeddings, bad for biases and gains
+    groups = [{"params": [p for p in raw_model.parameters() if p.dim() >= 2], "weight_decay": args.weight_decay},
+              {"params": [p for p in raw_model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(args.beta1, args.beta2), eps=1e-8, fused=True)
+    start_step = 0 if train_state is None else train_state["step"]
     if train_state is not None:  # the weights (back in our layout, lm_head tied again), moments and RNG
-        weights = hf_layout(load_file(os.path.join(args.out_dir, "model.safetensors")).items())
+        weights = hf_layout(train_state["weights"].items())
         raw_model.load_state_dict({**weights, "lm_head.weight": weights["transformer.wte.weight"]})
         optimizer.load_state_dict(train_state["optimizer"])
         torch.set_rng_state(train_state["rng_cpu"])  # dropout draws from it
         if train_state["rng_cuda"] and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(train_state["rng_cuda"])
-        start_step, first_val = train_state["step"], train_state["first_val_loss"]
         log(f"resuming from step {start_step} in {args.out_dir}")
 
     @torch.no_grad()
     def validate(step):  # the mean loss over the same validation batches every time, however many ranks share them
-        nonlocal first_val
         model.eval()
         total = torch.zeros((), device=device)
         for index in range(rank, args.eval_batches, world):  # rank r takes batches r, r+N, ...
@@ -561,9 +449,8 @@ def run(args, parser, argv):
                 total += model(*val_batches.get(index, 0, device)).float()
         model.train()
         loss = across_ranks(total).item() / args.eval_batches
-        log(f"step {step}: val loss {loss:.4f}" + (f" (started at {first_val:.4f})" if first_val is not None else ""))
+        log(f"step {step}: val loss {loss:.4f}")
         log_metrics(step=step, val_loss=loss)
-        first_val = loss if first_val is None else first_val
         return loss
 
     def log_metrics(**record):  # one JSON object per line, appended (a resumed run continues the file)
@@ -572,9 +459,8 @@ def run(args, parser, argv):
                 metrics.write(json.dumps({**record, "time": round(time.time(), 3)}) + "\n")
 
     def diverged(what):  # the one line a diverged run stops with; it names the last finite checkpoint
-        last = "no finite checkpoint was saved in this run" if last_saved is None else \
-            f"the last finite checkpoint is step {last_saved} in {args.out_dir}"
-        return UserError(f"{what}, {last}; lower --lr or check the data")
+        last = "none was saved in this run" if last_saved is None else f"step {last_saved} in {args.out_dir}"
+        return UserError(f"{what}, the last finite checkpoint is {last}; lower --lr or check the data")
 
     def save(step):  # weights and training state after `step` updates (the next step to run); never non-finite
         nonlocal last_saved
@@ -582,38 +468,26 @@ def run(args, parser, argv):
         if bad:  # found by every rank alike: the ranks hold the same weights
             raise diverged(f"weights are not finite at step {step} ({len(bad)}, e.g. {bad[0]}); nothing was saved")
         if rank == 0:
-            save_checkpoint(args.out_dir, raw_model, optimizer, step, args, first_val, args.keep_last)
+            save_checkpoint(args.out_dir, raw_model, optimizer, step, args, world)
         last_saved = step
 
     # --- training loop ----------------------------------------------------------------------------
-    for name in (*SAVED, "metrics.jsonl") if train_state is None and rank == 0 else ():
-        with contextlib.suppress(FileNotFoundError):  # the first write: only now does --overwrite clear the old run
-            os.remove(os.path.join(args.out_dir, name))
-    if train_state is None and rank == 0:
-        shutil.rmtree(os.path.join(args.out_dir, "checkpoints"), ignore_errors=True)
-    os.makedirs(os.path.join(args.out_dir, "checkpoints"), exist_ok=True)
+    if train_state is None and rank == 0:  # the first write: only now does --overwrite clear the old run
+        for name in ("checkpoint", "checkpoint.old"):
+            shutil.rmtree(os.path.join(args.out_dir, name), ignore_errors=True)
+        pathlib.Path(args.out_dir, "metrics.jsonl").unlink(missing_ok=True)
     log_metrics(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
                 n_params=n_params, config=vars(cfg), args=vars(args))
-    last_time, last_step, steady_since = time.perf_counter(), start_step, None  # ETA: steps after the warm-up one
     next_step = start_step  # the first step whose update is not in the weights yet: what a checkpoint records
     last_saved = start_step if train_state else None  # only finite weights are ever saved
-    skipped_in_a_row = 0  # updates skipped for a non-finite gradient: 10 in a row stop the run
-    # Under torchrun, Ctrl-C reaches each rank at another point (one inside an all-reduce the others never reach),
-    # so it only sets a flag, which the ranks agree on after each step (and a second Ctrl-C cannot stop the save).
-    # SIGTERM (a scheduler's "stop", some seconds before its SIGKILL) saves the same way, and exits 143, not 130.
-    ctrl_c = []
-
-    def on_sigterm(*_):
-        ctrl_c.append(signal.SIGTERM)
-        if world == 1:
-            raise KeyboardInterrupt
-    signal.signal(signal.SIGTERM, on_sigterm)
+    ctrl_c = []  # under torchrun Ctrl-C reaches each rank at another point: a flag, which the ranks agree on
     if world > 1:
-        signal.signal(signal.SIGINT, lambda *_: ctrl_c.append(signal.SIGINT))
+        signal.signal(signal.SIGINT, lambda *_: ctrl_c.append(1))
     try:
         for step in range(start_step, args.steps):
             if step % args.eval_interval == 0:
-                val_loss = validate(step)
+                validate(step)
+            started = time.perf_counter()
             lr = lr_at(step, args.lr, args.warmup_steps, args.steps, args.min_lr_ratio)
             for group in optimizer.param_groups:
                 group["lr"] = lr
@@ -627,71 +501,43 @@ def run(args, parser, argv):
                     loss.backward()
                 loss_sum += loss.detach()
             loss_value = (across_ranks(loss_sum) / world).item()  # each rank's loss is of its own windows
-            if not math.isfinite(loss_value):  # its gradient would be NaN everywhere: stop before the update
-                raise diverged(f"the loss became {loss_value} at step {step}; stopped before the update")
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf")).item()
-            record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
-            if math.isfinite(grad_norm):
-                optimizer.step()
-                skipped_in_a_row = 0
-            else:  # such a gradient would turn every weight it touches into NaN: the update is skipped
-                record["skipped"], skipped_in_a_row = True, skipped_in_a_row + 1
-                log(f"step {step}: gradient norm {grad_norm}, update skipped")
+            if not math.isfinite(loss_value + grad_norm):  # the update would turn weights into NaN: stop before it
+                raise diverged(f"the loss is {loss_value} and the gradient norm {grad_norm} at step {step}; "
+                               f"stopped before the update")  # (train.py skips a few such updates: lib/guards.py)
+            optimizer.step()
             optimizer.zero_grad(set_to_none=True)
-            next_step, steady_since = step + 1, steady_since or time.perf_counter()
-            if skipped_in_a_row == 10:
-                raise diverged(f"the gradient norm was not finite for 10 steps in a row ({step - 9} to {step})")
+            next_step, record = step + 1, dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if step % args.log_interval == 0 or step == args.steps - 1:
-                now = time.perf_counter()  # honest on a GPU too: each step's .item()s wait for its queued work
-                tokens_per_s = tokens_per_step * (next_step - last_step) / max(now - last_time, 1e-9)  # since the last
-                eta = (now - steady_since) / (step - start_step) * (args.steps - next_step) if step > start_step else -1
-                last_time, last_step = now, next_step
-                record.update(tokens_per_s=round(tokens_per_s), peak_memory=peak_memory(device))
-                log(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tokens_per_s:8,.0f} tok/s | "
-                    f"mem {record['peak_memory'] / 2**20:,.0f} MiB | ETA {f'{eta / 60:.1f} min' if eta >= 0 else '?'}")
+                tokens_per_s = tokens_per_step / (time.perf_counter() - started)  # .item() waited for the GPU
+                record["tokens_per_s"] = round(tokens_per_s)
+                log(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tokens_per_s:8,.0f} tok/s")
             log_metrics(**record)
-            stop = world > 1 and across_ranks(torch.tensor(float(max(ctrl_c, default=0)), device=device), dist.ReduceOp.MAX)
-            if stop:  # the ranks agree on the signal too (SIGTERM, 15, outranks SIGINT, 2)
-                ctrl_c.append(int(stop.item()))
-                raise KeyboardInterrupt  # on every rank after the same step, once any rank saw Ctrl-C or SIGTERM
+            if world > 1 and across_ranks(torch.tensor(float(bool(ctrl_c)), device=device), dist.ReduceOp.MAX):
+                raise KeyboardInterrupt  # on every rank after the same step, once any rank saw Ctrl-C
             if next_step % args.save_interval == 0 and next_step < args.steps:
                 save(next_step)
     except KeyboardInterrupt:  # save exactly the updates made so far: --resume neither skips nor repeats one
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second signal cannot cut the save short
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        terminated = signal.SIGTERM in ctrl_c
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the save short
         save(next_step)
-        log(f"\n{'terminated (SIGTERM)' if terminated else 'interrupted'}: saved step {next_step} to {args.out_dir}; "
-            f"continue with --resume (or --auto-resume)", file=sys.stderr)
-        if world > 1:  # every rank arrives first: a gloo rank that tears down while a peer still works can abort
+        log(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
+        if world > 1:  # every rank arrives before any leaves (at exit, the group goes: atexit above)
             dist.barrier()
-            dist.destroy_process_group()
-        sys.exit(143 if terminated else 130)  # the shell's codes for SIGTERM and Ctrl-C
-    if 0 < skipped_in_a_row == next_step - start_step:  # every update was skipped: nothing was trained
-        raise diverged("no update was applied: each was skipped for a non-finite gradient")
+        sys.exit(130)  # the shell's code for Ctrl-C
 
-    # --- save, and the measured peak beside the estimate --------------------------------------------
-    if args.steps > start_step or train_state is None:
-        val_loss = validate(next_step)
+    # --- save and report ---------------------------------------------------------------------------
+    val_loss = validate(next_step)
     save(next_step)
-    peak, predicted = peak_memory(device), sum(estimate.values())
-    log(f"saved {args.out_dir}/config.json, model.safetensors (Hugging Face GPT-2 layout), training_state.pt\nmemory: "
-        f"estimate {predicted / 2**20:,.0f} MiB, measured peak {peak / 2**20:,.0f} MiB ({peak / predicted:.1f}x)")
-    log_metrics(event="end", step=next_step, val_loss=val_loss, peak_memory=peak, memory_estimate=predicted)
-    if world > 1:  # as on Ctrl-C: the barrier first
+    log(f"saved {args.out_dir}/checkpoint: config.json, model.safetensors (Hugging Face's layout), training_state.pt")
+    log_metrics(event="end", step=next_step, val_loss=val_loss)
+    if world > 1:  # as on Ctrl-C: a gloo rank that leaves while a peer still works can abort it
         dist.barrier()
-        dist.destroy_process_group()
-    return {"val_loss": val_loss, "first_val_loss": first_val, "peak_memory": peak}
+    return {"val_loss": val_loss}
 
 
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)
-    if argv is None and sys.platform.startswith("linux"):  # a command-line run on glibc: every freed block of 1 MiB
-        # or more goes back to the system at once (M_MMAP_THRESHOLD, -3 in malloc.h), so the resident set stays what
-        # the tensors need instead of creeping up with the blocks glibc would keep for reuse (lib/memory.py)
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None).mallopt(-3, 1 << 20)
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as error:

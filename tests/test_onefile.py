@@ -1,12 +1,13 @@
 """onefile_train.py: the same training as train.py (+ lib/), written out in one file.
 
 Both scripts run in-process with the same tiny flags; their losses, validation losses and saved
-weights must agree, and onefile's checkpoint must load with lib/. Its run directory (no silent
-overwrite, exact resume after Ctrl-C, damaged files, finite saves) is held to the run contract in
-tests/test_run_contract.py.
+weights must agree, and onefile's checkpoint (OUT/checkpoint) must load with lib/. Its run directory
+(no silent overwrite, exact resume after Ctrl-C, damaged files, finite saves) is held to the run
+contract in tests/test_run_contract.py; its save's one rename is tried here.
 """
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -73,21 +74,22 @@ def test_same_losses_and_weights_as_train_py(runs):
     assert a[5] < a[0]  # it learns
 
     wa = load_file(os.path.join(runs["train"], "model.safetensors"))
-    wb = load_file(os.path.join(runs["onefile"], "model.safetensors"))
+    wb = load_file(os.path.join(runs["onefile"], "checkpoint", "model.safetensors"))
     assert sorted(wa) == sorted(wb)
     for name in wa:
         assert torch.equal(wb[name], wa[name]), name  # the same arithmetic in the same order: bit for bit
-    with open(os.path.join(runs["train"], "config.json")) as fa, open(os.path.join(runs["onefile"], "config.json")) as fb:
+    with open(os.path.join(runs["train"], "config.json")) as fa, open(os.path.join(runs["onefile"], "checkpoint", "config.json")) as fb:
         assert json.load(fa) == json.load(fb)
 
-    # The same kinds of records, with the same fields (but train.py's MFU and sample), in the same order.
+    # The same kinds of records, with the same fields (but train.py's MFU, sample and memory), in the same order.
     ra, rb = records(runs["train"]), records(runs["onefile"])
-    assert [sorted(set(r) - {"mfu", "sample"}) for r in ra] == [sorted(r) for r in rb]
+    train_only = {"mfu", "sample", "peak_memory", "memory_estimate"}
+    assert [sorted(set(r) - train_only) for r in ra] == [sorted(r) for r in rb]
     assert rb[0]["event"] == "start" and rb[0]["seed"] == 1337 and rb[-1]["event"] == "end"
 
 
 def test_checkpoint_layout_and_state(runs):
-    out = runs["onefile"]
+    out = os.path.join(runs["onefile"], "checkpoint")
     with safe_open(os.path.join(out, "model.safetensors"), framework="pt") as f:
         assert f.metadata()["step"] == "6"
         names = set(f.keys())
@@ -95,13 +97,29 @@ def test_checkpoint_layout_and_state(runs):
     assert "lm_head.weight" not in names  # tied to wte
     assert tuple(c_attn.shape) == (64, 192)  # Conv1D: [in, out]
     state = torch.load(os.path.join(out, "training_state.pt"), weights_only=True)
-    assert state["step"] == 6 and json.loads(state["args"])["grad_accum"] == 2
+    assert state["step"] == 6 and state["world_size"] == 1 and json.loads(state["args"])["grad_accum"] == 2
+    assert sorted(os.listdir(runs["onefile"])) == ["checkpoint", "metrics.jsonl"]  # no .tmp or .old left behind
+
+
+def test_a_save_cut_between_its_two_renames_resumes_from_the_old_folder(runs, tmp_path):
+    # save_checkpoint moves OUT/checkpoint aside to checkpoint.old, then renames checkpoint.tmp into place: a crash
+    # between the two leaves no OUT/checkpoint, a complete checkpoint.old and a checkpoint.tmp that may be partial.
+    out = tmp_path / "cut"
+    shutil.copytree(runs["onefile"], out)
+    (out / "checkpoint").rename(out / "checkpoint.old")
+    (out / "checkpoint.tmp").mkdir()
+    (out / "checkpoint.tmp" / "model.safetensors").write_bytes(b"half a file")
+    onefile_train.main(["--resume", "--out-dir", str(out)])  # 6 of 6 steps done: it saves the same weights again
+    assert sorted(os.listdir(out)) == ["checkpoint", "metrics.jsonl"]
+    before = load_file(os.path.join(runs["onefile"], "checkpoint", "model.safetensors"))
+    after = load_file(out / "checkpoint" / "model.safetensors")
+    assert sorted(after) == sorted(before) and all(torch.equal(after[name], before[name]) for name in before)
 
 
 def test_checkpoint_loads_with_lib_and_gives_the_same_loss(runs):
     # The trained onefile checkpoint, loaded by lib/ (names, layouts and config.json checked there), scores a
     # batch as onefile's own model with the trained weights does.
-    lib_cfg, sd = checkpoint.load_hf(runs["onefile"])
+    lib_cfg, sd = checkpoint.load_hf(os.path.join(runs["onefile"], "checkpoint"))
     lib_model = gpt.GPT(lib_cfg).eval()
     lib_model.load_state_dict(sd)
     model = onefile_train.GPT(onefile_train.GPTConfig(block_size=32, n_layer=2, n_head=2, n_embd=64)).eval()
@@ -129,7 +147,7 @@ def test_torchrun_two_ranks_match_one_process(runs, env):
     assert [v for _, v in val_losses(out)] == pytest.approx([v for _, v in val_losses(runs["onefile"])], abs=1e-5)
     assert records(out)[0]["world_size"] == 2
     # The weights after 6 steps: the same update from the same averaged gradient, up to the sum's order.
-    one, two = (load_file(os.path.join(d, "model.safetensors")) for d in (runs["onefile"], out))
+    one, two = (load_file(os.path.join(d, "checkpoint", "model.safetensors")) for d in (runs["onefile"], out))
     for name in one:
         assert torch.allclose(two[name], one[name], atol=1e-5), name
 

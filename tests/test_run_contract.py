@@ -89,10 +89,11 @@ CASES = {
                               "sharded/step-000004/__1_0.distcp"),
                        bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
                        make_data=lambda tmp, source: ["--data", source]),
-    # The compact inline contract (no lib/): its saved files and its hook are named here.
+    # The compact inline contract (no lib/): one folder, OUT/checkpoint, renamed into place; its hook is named here.
     "onefile_train": Case("onefile_train", [*GPT_TINY[:GPT_TINY.index("--sample-tokens")],
                                             *GPT_TINY[GPT_TINY.index("--sample-tokens") + 2:]], stop_at=2,
-                          weights=("model.safetensors",), saved=("model.safetensors", "training_state.pt"),
+                          weights=("checkpoint/model.safetensors",),
+                          saved=("checkpoint/model.safetensors", "checkpoint/training_state.pt"),
                           bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
                           diverge=["--lr", "1e38", "--grad-clip", "0"], hook="onefile_train:lr_at",
                           make_data=lambda tmp, source: ["--data", source]),
@@ -255,7 +256,8 @@ def test_overwrite_checks_everything_before_it_removes_anything(case, unbroken, 
 def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(case, unbroken, data_flags, tmp_path, capsys):
     name, case = case
     out = copy_of(unbroken, name, tmp_path)
-    newest = sorted((out / "checkpoints").iterdir())[-1]  # copytree made the top's hard links separate copies
+    # copytree made the top's hard links separate copies; onefile_train.py's one folder is OUT/checkpoint
+    newest = sorted((out / "checkpoints").iterdir())[-1] if (out / "checkpoints").is_dir() else out
     for saved in case.saved_files():
         path = newest / saved
         if not path.is_file():
