@@ -465,6 +465,11 @@ def save_checkpoint(out_dir, model, optimizer, step, args, first_val, keep_last=
         shutil.rmtree(old, ignore_errors=True)
 
 
+def cpu_has_bf16():  # lib/device.cpu_has_native_bf16's rule: AVX-512 kernels and bf16 units (AVX512-BF16, AMX)
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and bool({"avx512_bf16", "amx_bf16"} & {*flags})
+
+
 # --- training ------------------------------------------------------------------------------------
 def run(args, parser, argv):
     # --- before any work: the ranks, the device, --out-dir, the run directory --------------------
@@ -488,8 +493,8 @@ def run(args, parser, argv):
         raise UserError(f"--out-dir {args.out_dir} cannot be written ({error.strerror}); pick another one") from None
     train_state = check_run_dir(args, argv, parser._option_string_actions, log)
     torch.manual_seed(args.seed)  # the same seed on every rank: identical initial weights. Rank 0 alone writes.
-    # bf16 autocast on a GPU that has it (weights, gradients and AdamW stay fp32), else fp32 throughout.
-    amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    # bf16 autocast on a GPU or CPU that has it (weights, gradients and AdamW stay fp32), else fp32 throughout.
+    amp = torch.bfloat16 if (torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()) else None
 
     # --- model configuration and memory: --model-size and the shape flags, recorded for a later --resume ---
     shape = {key: getattr(args, key) for key in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, key)}

@@ -70,7 +70,8 @@ def make_parser():
     g = p.add_argument_group("run")
     g.add_argument("--device", help="cuda, cuda:N, mps or cpu; if unset, the first available of cuda, mps, cpu")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
+                   help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16) and on a CPU with native "
+                   "bf16 (AVX512-BF16 or AMX), else fp32")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--seed", type=guards.nonneg_int, default=1337, help="seeds the weights, the data order and dropout")
     g.add_argument("--out-dir", default="out/train", help="checkpoint (HF layout), training state and metrics.jsonl")
@@ -270,6 +271,7 @@ def run(args, parser, argv):
         f"device {device}{f' x {dist_info.world_size} ranks' if dist_info.enabled else ''}, "
         f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; "
         f"{tokens_per_step:,} tokens per step")
+    log(devices.dtype_line(device, args.dtype, amp))
 
     estimate = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type, amp is not None,
                                             ddp=dist_info.enabled, runtime=memory.cpu_runtime_bytes(device.type))
