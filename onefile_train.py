@@ -598,7 +598,7 @@ def run(args, parser, argv):
         shutil.rmtree(os.path.join(args.out_dir, "checkpoints"), ignore_errors=True)
     os.makedirs(os.path.join(args.out_dir, "checkpoints"), exist_ok=True)
     log_metrics(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
-                n_params=n_params, config=vars(cfg), args=vars(args))
+                dtype="bf16" if amp else "fp32", n_params=n_params, config=vars(cfg), args=vars(args))
     last_time, last_step, steady_since = time.perf_counter(), start_step, None  # ETA: steps after the warm-up one
     next_step = start_step  # the first step whose update is not in the weights yet: what a checkpoint records
     last_saved = start_step if train_state else None  # only finite weights are ever saved

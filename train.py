@@ -316,7 +316,8 @@ def run(args, parser, argv):
     # --- training loop ----------------------------------------------------------------------------
     metrics_log = rundir.begin(run_dir, args, dist_info.is_main)  # the first write; --overwrite clears only now
     metrics_log.log(event="start", seed=args.seed, step=start_step, world_size=dist_info.world_size,
-                    device=str(device), n_params=n_params, config=vars(cfg), args=vars(args))
+                    device=str(device), dtype={None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp],
+                    n_params=n_params, config=vars(cfg), args=vars(args))
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
     flops_per_step = metrics.flops_per_token(n_params, cfg.n_layer, cfg.n_embd, block_size) * tokens_per_step
     speed = metrics.Throughput(args.steps, start_step)
