@@ -30,8 +30,9 @@ from lib.errors import UserError, report_and_exit
 # --- arguments ------------------------------------------------------------------------------------
 def make_parser(description="Fine-tune GPT-2 with LoRA adapters on a frozen base (PEFT-layout adapters, optional "
                 "merge).", out_dir="out/finetune_lora", dtype_help=(
-                    "autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS. Under "
-                    "16-bit autocast the frozen block weights are stored in that dtype (LoRA's A and B stay fp32)")):
+                    "autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16) and on a CPU with native "
+                    "bf16 (AVX512-BF16 or AMX), else fp32; a --resume keeps the saved run's. Under 16-bit autocast "
+                    "the frozen block weights are stored in that dtype (LoRA's A and B stay fp32)")):
     p = argparse.ArgumentParser(description=description, formatter_class=guards.HelpFormatter)
     finetune.add_arguments(p, out_dir, dtype_help)  # finetune_qlora.py passes its own three and adds its flags
     return p
@@ -58,14 +59,13 @@ def main(argv=None):
 @dataclasses.dataclass
 class Recipe:
     """How the frozen base and A and B are held. recipe_for() below is this script's choice;
-    finetune_qlora.py makes its own (NF4 base, --lora-dtype, the CPU's dtype timed). Everything else in
+    finetune_qlora.py makes its own (NF4 base, --lora-dtype). Everything else in
     this file is the same for both."""
     base: str                                 # how the block weights are stored: fp32, bf16, fp16 or nf4
     convert_linear: Callable                  # (name, nn.Linear) -> module, as each block linear is read
     held: str = None                          # how the first log line describes them; None: `base`
     lora_dtype: torch.dtype = torch.float32   # A and B and their AdamW moments
     estimate_kwargs: dict = dataclasses.field(default_factory=dict)  # more for memory.estimate_lora_finetuning
-    pick_amp: Callable = None                 # (model, first batch, state) -> amp: --dtype settled on the model
     merge_in_place: bool = False              # --merge folds A and B into the trained model, not a fresh fp32 base
     memory_hint: str = ("lower --batch-size or --block-size, adapt fewer --lora-targets, or hold the base in 4 bits "
                         "with finetune_qlora.py")
@@ -93,20 +93,23 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
     device = devices.pick_device(args.device)
     devices.seed_everything(args.seed)
     amp = devices.amp_dtype(device, args.dtype)
+    kept = state is not None and args.dtype == "auto"  # --resume: auto is the dtype the run was saved with
+    if kept:
+        amp = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[state["compute_dtype"]]
     if amp is not None and device.type == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = True
     recipe = recipe_for(args, device, amp)  # this file's, or finetune_qlora.py's (NF4)
 
     # --- memory: the estimate, and the check before anything is allocated or downloaded --------------
     tokens_per_step = args.batch_size * args.block_size * args.grad_accum
-    compute = "fp32 or bf16 (timed before training)" if recipe.pick_amp else \
-        finetune.dtype_name(amp) + (" autocast" if amp else "")
+    compute = finetune.dtype_name(amp) + (" autocast" if amp else "")
     log(f"base: {state['base'] if state else args.init_from} ({cfg.n_layer} layers, {cfg.n_head} heads, "
         f"{cfg.n_embd} wide), block weights in {recipe.held or recipe.base}; LoRA r={settings['r']} "
         f"alpha={settings['alpha']:g} on {', '.join(settings['targets'])} in {finetune.dtype_name(recipe.lora_dtype)}; "
         f"device {device}, {compute}; {tokens_per_step:,} tokens per step")
+    log(f"dtype: {compute} (the resumed run's)" if kept else devices.dtype_line(device, args.dtype, amp))
 
-    def estimate_for(amp, runtime):  # again once the data are read, and once recipe.pick_amp has settled the dtype
+    def estimate_for(amp, runtime):  # again once the data are read
         return memory.estimate_lora_finetuning(cfg, args.batch_size, args.block_size, device.type, amp is not None,
                                                recipe.base, settings["targets"], settings["r"],
                                                recipe.lora_dtype.itemsize, settings["dropout"],
@@ -114,10 +117,9 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
                                                **recipe.estimate_kwargs)
     # On a CPU the peak is the whole process's resident set: what it holds already is measured, not assumed.
     runtime = memory.cpu_runtime_bytes(device.type)
-    estimate = estimate_for(amp, runtime)  # fp32's when the dtype is still to be timed: the larger of the two
+    estimate = estimate_for(amp, runtime)
     if args.estimate_memory:
-        log(memory.format_table(estimate) + (
-            "\n(for fp32; on a CPU --dtype auto times bf16 against fp32 before training)" if recipe.pick_amp else ""))
+        log(memory.format_table(estimate))
         return estimate
     guards.check_memory(sum(estimate.values()), device, args.force, recipe.memory_hint)
     model_dir = finetune.base_weights(args, state, cfg, log)  # a hub id's weights are downloaded now
@@ -148,9 +150,6 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
     model.gradient_checkpointing = args.grad_checkpoint
     n_lora, n_total = lora.count_parameters(model)
     log(f"trainable parameters: {n_lora:,} of {n_total:,} ({100 * n_lora / n_total:.3f}%)")
-    if recipe.pick_amp:  # finetune_qlora.py, --dtype auto on a CPU: fp32 or bf16, whichever runs this model faster
-        amp = recipe.pick_amp(model, train_batches.get(0, 0, device), state)
-        estimate = estimate_for(amp, runtime)
 
     # --- optimiser: only the LoRA matrices ---------------------------------------------------------
     params = [p for p in model.parameters() if p.requires_grad]

@@ -17,18 +17,17 @@ report) is finetune_lora.run, imported, not copied; adapters have the same forma
 reads the other's. What this file holds is that change and what follows from it, in reading order:
 1. arguments: finetune_lora.py's, plus --lora-dtype, --nf4-block-size and --no-double-quant (fixed
    on --resume), its own --dtype help and out/finetune_qlora;
-then, in recipe_for(), the finetune_lora.Recipe that run() follows:
+then, in recipe_for(), the finetune_lora.Recipe that run() follows (--dtype auto is lib/device.amp_dtype's, as in
+every script: on a CPU, bf16 where it is native, else fp32):
 2. the base quantised to NF4 as it is read (lib/nf4.LinearNF4), its block size, double quantisation;
 3. A and B in bf16 on a GPU computing in bf16, as the QLoRA paper does (--lora-dtype);
-4. --dtype auto on a CPU: fp32 or bf16, whichever runs a step of this model faster (pick_cpu_dtype);
-5. the memory estimate for an NF4 base;
-6. --merge dequantises the trained model, adds B @ A * scale and writes a full-precision directory.
+4. the memory estimate for an NF4 base;
+5. --merge dequantises the trained model, adds B @ A * scale and writes a full-precision directory.
 The idea and the arithmetic: docs/qlora_explained.md; the code path: docs/qlora_code_walkthrough.md.
 """
 
 import dataclasses
 import sys
-import time
 
 import torch
 
@@ -45,8 +44,8 @@ def make_parser():
         "Fine-tune GPT-2 with QLoRA: NF4 base, LoRA adapters (PEFT layout, shared with finetune_lora.py).",
         "out/finetune_qlora", dtype_help=(
             "compute dtype: NF4 weights are dequantised to it and autocast runs in it; auto = bf16 on CUDA (fp16 + "
-            "GradScaler without bf16), fp32 on MPS, and on a CPU whichever of fp32 and bf16 runs a step of this "
-            "model faster (timed before training)"))
+            "GradScaler without bf16) and on a CPU with native bf16 (AVX512-BF16 or AMX), else fp32; a --resume "
+            "keeps the saved run's"))
     g = p.add_argument_group("QLoRA")
     g.add_argument("--lora-dtype", default="auto", choices=["auto", "fp32", "bf16"],
                    help="dtype of A and B and their AdamW moments; auto = bf16 on CUDA when computing in bf16 (as "
@@ -77,10 +76,9 @@ def main(argv=None):
         report_and_exit(e)
 
 
-# --- 2-6. how the base and A and B are held ----------------------------------------------------------
+# --- 2-5. how the base and A and B are held ----------------------------------------------------------
 def recipe_for(args, device, amp) -> finetune_lora.Recipe:
-    """The NF4 base, the LoRA dtype, the CPU's dtype timed, the estimate and the merge; finetune_lora.run
-    does the rest."""
+    """The NF4 base, the LoRA dtype, the estimate and the merge; finetune_lora.run does the rest."""
     double_quant = not args.no_double_quant
     return finetune_lora.Recipe(
         # 2. Each block linear quantised to NF4 the moment it is read: no full-precision model ever exists.
@@ -91,44 +89,12 @@ def recipe_for(args, device, amp) -> finetune_lora.Recipe:
         # elsewhere fp32 master weights, which cost nothing measurable on a CPU and fp16 needs anyway.
         lora_dtype={"fp32": torch.float32, "bf16": torch.bfloat16}.get(
             args.lora_dtype, torch.bfloat16 if amp == torch.bfloat16 and device.type == "cuda" else torch.float32),
-        # 4. --dtype auto on a CPU is settled on the model itself, once it exists (before that: fp32).
-        pick_amp=compute_dtype if args.dtype == "auto" and device.type == "cpu" else None,
-        # 5. The estimate's NF4 bytes: 4 bits per weight plus one absmax per block (in 8 bits when double).
+        # 4. The estimate's NF4 bytes: 4 bits per weight plus one absmax per block (in 8 bits when double).
         estimate_kwargs=dict(nf4_block_size=args.nf4_block_size, double_quant=double_quant),
-        # 6. --merge folds A and B into the model that was trained, its NF4 weights dequantised to fp32 (the
+        # 5. --merge folds A and B into the model that was trained, its NF4 weights dequantised to fp32 (the
         # base the adapter learnt against), not into a fresh fp32 copy of the original base.
         merge_in_place=True,
         memory_hint="lower --batch-size or --block-size, or pick a smaller base")
-
-
-def compute_dtype(model, batch, state):
-    """4. --dtype auto on a CPU: the dtype a resumed run timed, else pick_cpu_dtype's choice, timed now."""
-    if state is not None:
-        return {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[state["compute_dtype"]]
-    amp, seconds = pick_cpu_dtype(model, *batch)
-    print(f"compute dtype: {'bf16 autocast' if amp else 'fp32'}, timed here (one step: fp32 "
-          f"{seconds[None]:.3f} s, bf16 {seconds[torch.bfloat16]:.3f} s)")
-    return amp
-
-
-def pick_cpu_dtype(model, x, y):
-    """Time one forward + backward of this model on one training micro-batch in fp32 and under bf16
-    autocast (each after a warm-up call) and return the faster (None = fp32; bf16 must win by 10%)
-    and the timings. Which one wins depends on the CPU (AMX or AVX512-BF16 units make bf16 matmuls
-    fast) and on the model: measured on a 2-core Xeon with AMX, bf16 was 2-4x faster for a gpt2-sized
-    model and slower for train.py's tiny one (docs/qlora_explained.md). RNG state and gradients are kept."""
-    seconds = {}
-    with torch.random.fork_rng(devices=[]):
-        for dtype in (None, torch.bfloat16):
-            for _ in range(2):  # the first call warms up the kernels, the second is timed
-                t0 = time.perf_counter()
-                with devices.autocast(x.device, dtype):
-                    loss = model(x, y)[1]
-                loss.backward()
-                seconds[dtype] = time.perf_counter() - t0
-    model.zero_grad(set_to_none=True)
-    # bf16 only when clearly faster: in a near tie keep fp32, the exact one and the CPU default.
-    return (torch.bfloat16 if seconds[torch.bfloat16] < 0.9 * seconds[None] else None), seconds
 
 
 if __name__ == "__main__":

@@ -10,8 +10,8 @@ saved, and a save is one folder written in full, then renamed into place (OUT/ch
 lib/ (docs/training_architecture.md): commit folders (OUT/checkpoints/step-N) and --keep-last, --auto-resume, SIGTERM
 handling and its agreement across ranks, torchrun --max-restarts, a resume on another number of processes (elastic),
 skipping non-finite updates (lib/rundir.py, lib/distributed.py); the token cache, the nanoGPT and llm.c token formats
-(lib/data.py); --init-from (Hugging Face checkpoints), torch.compile, --dtype (fp16 with a GradScaler; bf16 on a
-CPU), gpt2-large and -xl, MFU, a sample at the end, the memory table, --estimate-memory and --force (lib/memory.py).
+(lib/data.py); --init-from (Hugging Face checkpoints), torch.compile, --dtype (fp16 with a GradScaler), gpt2-large
+and -xl, MFU, a sample at the end, the memory table, --estimate-memory and --force (lib/memory.py).
 """
 
 import argparse
@@ -86,8 +86,8 @@ def make_parser():
         help="final lr as a fraction of --lr")
     add("--warmup-steps", type=count, default=30, help="steps of linear learning-rate warmup")
     add("--weight-decay", type=nonneg, default=0.1, help="AdamW decay (matrices, embeddings)")
-    add("--beta1", type=below_one, default=0.9, help="AdamW beta1")
-    add("--beta2", type=below_one, default=0.95, help="AdamW beta2")
+    for beta, default in (("beta1", 0.9), ("beta2", 0.95)):
+        add(f"--{beta}", type=below_one, default=default, help=f"AdamW {beta}")
     add("--grad-clip", type=nonneg, default=1.0, help="clip the gradient norm (0: off)")
     add("--device", help="cuda, cuda:N, mps or cpu; if unset, the first available of cuda, mps, cpu")
     add("--seed", type=count, default=1337, help="seeds the weights, data and dropout")
@@ -115,8 +115,7 @@ def check_run_dir(args, argv, options, world, log):
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
     # OUT/checkpoint; or OUT/checkpoint.old, if a save stopped between its two renames (save_checkpoint)
-    folder = next((path for path in (f"{args.out_dir}/checkpoint", f"{args.out_dir}/checkpoint.old")
-                   if os.path.isdir(path)), None)
+    folder = next(filter(os.path.isdir, (f"{args.out_dir}/checkpoint", f"{args.out_dir}/checkpoint.old")), None)
     if not args.resume:
         if folder and not args.overwrite:
             raise UserError(f"{args.out_dir} already holds a saved run ({folder}); pass --resume to continue it, "
@@ -299,14 +298,13 @@ class LinearCrossEntropy(torch.autograd.Function):
         with torch.autocast(kind, enabled=False):
             head = weight.to(dtype)
             for start in range(0, len(hidden), rows):
-                chunk, labels = hidden[start : start + rows].to(dtype), targets[start : start + rows, None]
+                chunk, label = hidden[start : start + rows].to(dtype), targets[start : start + rows, None]
                 logits = (chunk @ head.t()).float()  # this chunk's logits, in fp32 for the softmax
-                target_logit = logits.gather(1, labels).squeeze(1)
+                target_logit = logits.gather(1, label).squeeze(1)
                 top = logits.amax(dim=1, keepdim=True)  # subtracted before exp, so nothing overflows
                 sumexp = logits.sub_(top).exp_().sum(dim=1)
                 total += (sumexp.log() + top.squeeze(1) - target_logit).sum()  # log-sum-exp - the target's logit
-                grad = logits.mul_(sumexp.reciprocal()[:, None]).scatter_add_(1, labels, -torch.ones_like(top))
-                grad = grad.to(dtype)
+                grad = logits.mul_(sumexp.reciprocal()[:, None]).scatter_add_(1, label, -torch.ones_like(top)).to(dtype)
                 d_hidden[start : start + rows] = grad @ head
                 d_weight.addmm_(grad.t(), chunk) if grad.dtype == d_weight.dtype else d_weight.add_(grad.t() @ chunk)
         ctx.save_for_backward(d_hidden, d_weight)
@@ -355,15 +353,19 @@ def save_checkpoint(out_dir, model, optimizer, step, args, world):
               **dict.fromkeys(("resid_pdrop", "embd_pdrop", "attn_pdrop"), cfg.dropout), "initializer_range": 0.02,
               "bos_token_id": EOT, "eos_token_id": EOT, "tie_word_embeddings": True, "torch_dtype": "float32"}
     pathlib.Path(tmp, "config.json").write_text(json.dumps(config))
-    state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(),
-             "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [], "world_size": world,
-             "args": json.dumps(vars(args))}
+    state = {"step": step, "optimizer": optimizer.state_dict(), "rng_cpu": torch.get_rng_state(), "world_size": world,
+             "rng_cuda": torch.cuda.get_rng_state_all(), "args": json.dumps(vars(args))}  # [] without CUDA
     torch.save(state, os.path.join(tmp, "training_state.pt"))
     if os.path.isdir(final):  # the previous checkpoint steps aside (a directory cannot be renamed onto another)
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
     os.rename(tmp, final)  # THE COMMIT POINT: from here on this save is the checkpoint
     shutil.rmtree(old, ignore_errors=True)
+
+
+def cpu_has_bf16():  # lib/device.cpu_has_native_bf16's rule: AVX-512 kernels and bf16 units (AVX512-BF16, AMX)
+    flags = open("/proc/cpuinfo").read().split() if os.path.exists("/proc/cpuinfo") else []
+    return torch.backends.cpu.get_cpu_capability().startswith("AVX512") and bool({"avx512_bf16", "amx_bf16"} & {*flags})
 
 
 # --- training ------------------------------------------------------------------------------------
@@ -387,8 +389,8 @@ def run(args, parser, argv):
         raise UserError(f"--out-dir {args.out_dir} cannot be written ({error.strerror}); pick another one") from None
     train_state = check_run_dir(args, argv, parser._option_string_actions, world, log)
     torch.manual_seed(args.seed)  # the same seed on every rank: identical initial weights. Rank 0 alone writes.
-    # bf16 autocast on a GPU that has it (weights, gradients and AdamW stay fp32), else fp32 throughout.
-    amp = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    # bf16 autocast on a GPU or CPU that has it (weights, gradients and AdamW stay fp32), else fp32 throughout.
+    amp = torch.bfloat16 if (torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()) else None
 
     # --- model configuration (recorded for a later --resume), its size and the memory it needs at least ---
     shape = {key: getattr(args, key) for key in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, key)}
@@ -477,7 +479,7 @@ def run(args, parser, argv):
             shutil.rmtree(os.path.join(args.out_dir, name), ignore_errors=True)
         pathlib.Path(args.out_dir, "metrics.jsonl").unlink(missing_ok=True)
     log_metrics(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
-                n_params=n_params, config=vars(cfg), args=vars(args))
+                dtype="bf16" if amp else "fp32", n_params=n_params, config=vars(cfg), args=vars(args))
     next_step = start_step  # the first step whose update is not in the weights yet: what a checkpoint records
     last_saved = start_step if train_state else None  # only finite weights are ever saved
     ctrl_c = []  # under torchrun Ctrl-C reaches each rank at another point: a flag, which the ranks agree on
@@ -509,8 +511,7 @@ def run(args, parser, argv):
             optimizer.zero_grad(set_to_none=True)
             next_step, record = step + 1, dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if step % args.log_interval == 0 or step == args.steps - 1:
-                tokens_per_s = tokens_per_step / (time.perf_counter() - started)  # .item() waited for the GPU
-                record["tokens_per_s"] = round(tokens_per_s)
+                record["tokens_per_s"] = round(tokens_per_s := tokens_per_step / (time.perf_counter() - started))
                 log(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tokens_per_s:8,.0f} tok/s")
             log_metrics(**record)
             if world > 1 and across_ranks(torch.tensor(float(bool(ctrl_c)), device=device), dist.ReduceOp.MAX):

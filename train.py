@@ -70,7 +70,8 @@ def make_parser():
     g = p.add_argument_group("run")
     g.add_argument("--device", help="cuda, cuda:N, mps or cpu; if unset, the first available of cuda, mps, cpu")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
+                   help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16) and on a CPU with native "
+                   "bf16 (AVX512-BF16 or AMX), else fp32")
     g.add_argument("--compile", action="store_true", help="torch.compile the model")
     g.add_argument("--seed", type=guards.nonneg_int, default=1337, help="seeds the weights, the data order and dropout")
     g.add_argument("--out-dir", default="out/train", help="checkpoint (HF layout), training state and metrics.jsonl")
@@ -270,6 +271,7 @@ def run(args, parser, argv):
         f"device {device}{f' x {dist_info.world_size} ranks' if dist_info.enabled else ''}, "
         f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; "
         f"{tokens_per_step:,} tokens per step")
+    log(devices.dtype_line(device, args.dtype, amp))
 
     estimate = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type, amp is not None,
                                             ddp=dist_info.enabled, runtime=memory.cpu_runtime_bytes(device.type))
@@ -314,7 +316,8 @@ def run(args, parser, argv):
     # --- training loop ----------------------------------------------------------------------------
     metrics_log = rundir.begin(run_dir, args, dist_info.is_main)  # the first write; --overwrite clears only now
     metrics_log.log(event="start", seed=args.seed, step=start_step, world_size=dist_info.world_size,
-                    device=str(device), n_params=n_params, config=vars(cfg), args=vars(args))
+                    device=str(device), dtype={None: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}[amp],
+                    n_params=n_params, config=vars(cfg), args=vars(args))
     peak_flops = metrics.peak_flops_for(device, args.peak_flops)
     flops_per_step = metrics.flops_per_token(n_params, cfg.n_layer, cfg.n_embd, block_size) * tokens_per_step
     speed = metrics.Throughput(args.steps, start_step)

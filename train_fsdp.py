@@ -103,8 +103,8 @@ def make_parser():
     g.add_argument("--dtype", "--mixed-precision", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    type=lambda v: {"off": "fp32"}.get(v, v),
                    help="compute dtype: bf16 computes with bf16 copies of the weights and reduces gradients in fp32 "
-                   "(MixedPrecisionPolicy); auto = bf16 on CUDA GPUs that have it, fp32 elsewhere; fp16 is refused "
-                   "(it would need a sharded GradScaler)")
+                   "(MixedPrecisionPolicy); auto = bf16 on CUDA GPUs and CPUs that have it natively, else fp32; "
+                   "fp16 is refused (it would need a sharded GradScaler)")
     g.add_argument("--seed", type=guards.nonneg_int, default=1337, help="the same on every rank: weights, data order")
     g.add_argument("--out-dir", default="out/train_fsdp",
                    help="sharded checkpoints, metrics.jsonl and the exported model")
@@ -501,10 +501,8 @@ def run(args, parser, argv):
     log = print if is_main else (lambda *a, **k: None)
     devices.seed_everything(args.seed)  # the same seed on every rank; init_like_train_py relies on it
     mesh = init_device_mesh(device.type, (world,))  # one dimension: shard over all ranks
-    if args.dtype == "auto":
-        mp_dtype = torch.bfloat16 if device.type == "cuda" and torch.cuda.is_bf16_supported() else None
-    else:
-        mp_dtype = torch.bfloat16 if args.dtype == "bf16" else None
+    # auto: bf16 on a GPU or CPU that has it natively (lib/device.amp_dtype), else fp32 (fp16 was refused above)
+    mp_dtype = torch.bfloat16 if devices.amp_dtype(device, args.dtype) == torch.bfloat16 else None
     if args.cpu_offload and device.type != "cuda":
         raise UserError(f"--cpu-offload moves shards from GPU memory to host RAM, but the device is {device.type} "
                         f"(already host memory); drop --cpu-offload or run on CUDA")
@@ -524,6 +522,7 @@ def run(args, parser, argv):
         f"{', CPU offload' if args.cpu_offload else ''}"
         f"{', activation checkpointing' if args.activation_checkpointing else ''}; "
         f"{tokens_per_step:,} tokens per step")
+    log(devices.dtype_line(device, args.dtype, mp_dtype))
     estimate = memory.estimate_fsdp_training(cfg, n_params, args.batch_size, block_size, world, device.type,
                                              mp_dtype is not None, args.reshard_after_forward, args.grad_accum,
                                              args.activation_checkpointing, memory.cpu_runtime_bytes(device.type))

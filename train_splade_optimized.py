@@ -103,8 +103,9 @@ def choose_amp(device, args):
     if not args.mixed_precision:
         return devices.amp_dtype(device, args.dtype)
     if device.type == "cpu":
-        raise UserError("--mixed-precision is not available on the CPU (16-bit autocast there is slower than fp32 "
-                        "and saves little memory); drop --mixed-precision, or train on --device cuda or mps")
+        raise UserError("--mixed-precision is for GPUs; on the CPU --dtype auto computes in bf16 where the CPU "
+                        "has it natively (--dtype bf16 forces it); drop --mixed-precision, or train on --device cuda "
+                        "or mps")
     if device.type == "cuda":  # bf16 in hardware (Ampere and newer), not emulated: lib/device.amp_dtype
         return torch.bfloat16 if torch.cuda.is_bf16_supported(including_emulation=False) else torch.float16
     return torch.bfloat16 if torch.backends.mps.is_macos_or_newer(14, 0) else torch.float16

@@ -125,7 +125,8 @@ def build_parser(description=None, out_dir=OUT_DIR):
     g = p.add_argument_group("run")
     g.add_argument("--device", choices=["cuda", "mps", "cpu"], help="where to train; none given: cuda, then mps, then cpu")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
-                   help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16), fp32 on CPU/MPS")
+                   help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16) and on a CPU with native "
+                   "bf16 (AVX512-BF16 or AMX), else fp32")
     g.add_argument("--seed", type=int, default=42, help="seeds weights, data order, negatives and dropout")
     g.add_argument("--output-dir", "--out-dir", dest="output_dir", default=out_dir,
                    help="the model (Hugging Face masked-LM layout), training state, metrics.jsonl and search index")
@@ -912,6 +913,7 @@ def run(args, run_dir, variant=None):
         f"layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n_params:,} parameters; device {device}, "
         f"{'fp32' if amp is None else str(amp).replace('torch.', '') + ' autocast'}; {args.batch_size} queries x "
         f"(1 + {k}) documents per micro-batch, {args.grad_accum} micro-batch(es) per step")
+    log(devices.dtype_line(device, args.dtype, amp))
     if args.estimate_memory:
         log(memory_table(estimate))
         return {"estimate": estimate}

@@ -2,6 +2,7 @@
 
     python bench/memory_estimate.py                                # every script, tiny and real sizes, CPU
     python bench/memory_estimate.py --sizes tiny                   # the small shapes only (minutes)
+    python bench/memory_estimate.py --sizes bf16 --out bench/results/memory_cpu_bf16.json  # tiny, --dtype bf16
     python bench/memory_estimate.py --scripts finetune_lora.py finetune_qlora.py --sizes real
     python bench/memory_estimate.py --device cuda --out bench/results/memory_cuda.json
     python bench/memory_estimate.py --write-models /work/scratch/models   # only write the real-size models
@@ -46,6 +47,14 @@ CASES = [
     ("train_splade_unified.py", "tiny", "--steps 3 --index none"),
     ("train_splade_optimized.py", "tiny", "--steps 3 --index none"),
     ("train_wpo_sgm_memory_efficient.py", "tiny", "--niters 3 --num-samples 0"),
+    # The tiny shapes under bf16 autocast, for every script that takes --dtype bf16 on a CPU (onefile_train.py
+    # computes in bf16 by itself where the CPU has it natively). Slow where it has not: about 50x per matmul.
+    ("train.py", "bf16", "--steps 3 --eval-batches 1 --sample-tokens 0 --dtype bf16"),
+    ("train_fsdp.py", "bf16", "--steps 3 --eval-batches 1 --sample-tokens 0 --dtype bf16"),
+    ("finetune_lora.py", "bf16", "--init-from {tiny_gpt} --steps 3 --eval-batches 1 --sample-tokens 0 --dtype bf16"),
+    ("finetune_qlora.py", "bf16", "--init-from {tiny_gpt} --steps 3 --eval-batches 1 --sample-tokens 0 --dtype bf16"),
+    ("train_splade_unified.py", "bf16", "--steps 3 --index none --dtype bf16"),
+    ("train_splade_optimized.py", "bf16", "--steps 3 --index none --dtype bf16"),
     ("judge_train_mps.py", "real", "--model {smollm2} --max_samples 12 --batch_size 4 --epochs 1 --skip_eval"),
     # the default batch, 1 x 2: one short conversation a step, whose activations are blocks under 1 MiB
     ("judge_train_mps.py", "real", "--model {smollm2} --max_samples 24 --epochs 1 --skip_eval"),
@@ -57,7 +66,7 @@ CASES = [
     ("train_wpo_sgm_memory_efficient.py", "real", "--data cifar10 --data-dir {cifar} --train_kernel_size 10 "
                                                   "--train_samples_size 10 --test_samples_size 0 --niters 2 "
                                                   "--num-samples 0 --strategy chunked --chunk_size 4"),
-    # The real sizes: 8 x 1024 GPT-2 tokens a step; QLoRA computing in fp32, as its timing chose on CPU.
+    # The real sizes: 8 x 1024 GPT-2 tokens a step; QLoRA computing in fp32, as its --dtype auto did on CPU then.
     # One step: LoRA's AdamW moments, made after the first backward, are a few MiB.
     ("finetune_lora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0"),
     ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32"),
@@ -183,7 +192,8 @@ def run_case(script, flags, device, work, env):
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--scripts", nargs="*", help="only these scripts (default: all ten)")
-    p.add_argument("--sizes", nargs="+", default=["tiny", "real"], choices=["tiny", "real"])
+    p.add_argument("--sizes", nargs="+", default=["tiny", "real"], choices=["tiny", "real", "bf16"],
+                   help="bf16: the tiny shapes with --dtype bf16")
     p.add_argument("--flags-with", help="only the cases whose flags contain this text (e.g. --grad-checkpoint)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--models", default=os.path.join(tempfile.gettempdir(), "byhand-memory-models"),

@@ -9,9 +9,15 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# 2 layers, 64 wide: enough to exercise every code path in well under a second per step.
+# 2 layers, 64 wide: enough to exercise every code path in well under a second per step. fp32 explicitly:
+# --dtype auto would compute in bf16 on a CPU that has it natively, and the parity tests compare fp32 runs.
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "4",
-        "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1"]
+        "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1", "--dtype", "fp32"]
+
+# For a child process that must compute in fp32 whatever the CPU (onefile_train.py has no --dtype): torch runs
+# its AVX2 kernels, and --dtype auto's rule (lib/device.cpu_has_native_bf16) then says fp32.
+FP32_CPU = {"ATEN_CPU_CAPABILITY": "avx2"}
+
 
 def pytest_configure(config):
     """Point BYHAND_CACHE at a temporary directory for the whole session, before any test module is

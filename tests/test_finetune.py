@@ -22,7 +22,7 @@ from lib import checkpoint, finetune, gpt, lora, memory, nf4
 from tests.conftest import ROOT, read_metrics, step_losses, val_losses
 
 # Fine-tuning flags for the tiny base (the block size, 32, comes from the base's config.json). fp32
-# explicitly: on a CPU finetune_qlora.py's --dtype auto times bf16 against fp32 and takes the faster.
+# explicitly: on a CPU with native bf16, --dtype auto would compute in bf16 (tests/test_dtype.py).
 FT = ["--batch-size", "4", "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1", "--eval-interval", "100",
       "--dtype", "fp32"]
 SCRIPTS = {"lora": finetune_lora, "qlora": finetune_qlora}
@@ -254,14 +254,6 @@ def test_user_mistakes_end_with_one_line(base, lora_run, tmp_path, capsys):
     expect("qlora", ["--adapter", str(bad)], "adapter_model.safetensors", key, "[8, 32]")
 
 
-def test_qlora_dtype_auto_on_cpu_times_both_and_says_which(base, tmp_path, capsys):
-    finetune_qlora.main([*FT[:-2], "--init-from", base, "--out-dir", str(tmp_path), "--steps", "2"])
-    out = capsys.readouterr().out
-    assert "compute dtype: " in out and "timed here (one step: fp32 " in out
-    chosen = read_metrics(tmp_path)[0]["dtype"]
-    assert chosen in ("fp32", "bf16") and torch.load(tmp_path / "training_state.pt")["compute_dtype"] == chosen
-
-
 def test_each_script_holds_its_base_as_its_recipe_says():
     """finetune_qlora.py's difference is its recipe_for, which finetune_lora.run follows; the GPU
     branches are decided from (device, amp) alone, so they are checked here without a GPU."""
@@ -269,7 +261,7 @@ def test_each_script_holds_its_base_as_its_recipe_says():
     linear = torch.nn.Linear(64, 192)
     args = finetune_qlora.make_parser().parse_args([])
     q = finetune_qlora.recipe_for(args, cpu, None)
-    assert (q.base, q.lora_dtype, q.merge_in_place, q.pick_amp) == ("nf4", torch.float32, True, finetune_qlora.compute_dtype)
+    assert (q.base, q.lora_dtype, q.merge_in_place) == ("nf4", torch.float32, True)
     assert q.estimate_kwargs == {"nf4_block_size": 64, "double_quant": True}
     held = q.convert_linear("transformer.h.0.attn.c_attn", linear)
     assert isinstance(held, nf4.LinearNF4) and held.block_size == 64
@@ -277,18 +269,16 @@ def test_each_script_holds_its_base_as_its_recipe_says():
     # A and B in bf16 only on a GPU computing in bf16 (the QLoRA paper), unless --lora-dtype says otherwise.
     assert finetune_qlora.recipe_for(args, cuda, torch.bfloat16).lora_dtype == torch.bfloat16
     assert finetune_qlora.recipe_for(args, cuda, torch.float16).lora_dtype == torch.float32
-    assert finetune_qlora.recipe_for(args, cuda, torch.bfloat16).pick_amp is None  # timed on a CPU only
     args = finetune_qlora.make_parser().parse_args(["--lora-dtype", "fp32", "--dtype", "bf16", "--nf4-block-size", "128",
                                                     "--no-double-quant"])
     assert finetune_qlora.recipe_for(args, cuda, torch.bfloat16).lora_dtype == torch.float32
-    assert finetune_qlora.recipe_for(args, cpu, torch.bfloat16).pick_amp is None  # --dtype given: nothing to time
     held = finetune_qlora.recipe_for(args, cpu, None).convert_linear("x", linear)
     assert held.block_size == 128 and held.weight_absmax.dtype == torch.float32 and held.weight_absmax.numel() == 96
     # finetune_lora.py: the frozen block weights in the autocast dtype, A and B in fp32, merged into a fresh base.
     lora_args = finetune_lora.make_parser().parse_args([])
     for amp, name in ((None, "fp32"), (torch.bfloat16, "bf16"), (torch.float16, "fp16")):
         r = finetune_lora.recipe_for(lora_args, cuda, amp)
-        assert (r.base, r.lora_dtype, r.merge_in_place, r.pick_amp) == (name, torch.float32, False, None)
+        assert (r.base, r.lora_dtype, r.merge_in_place) == (name, torch.float32, False)
         assert r.convert_linear("x", linear).weight.dtype == (amp or torch.float32)
 
 

@@ -27,7 +27,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 2 layers, 64 wide; 6 steps with a checkpoint-free middle: every path, a few seconds per run.
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "2",
         "--steps", "6", "--warmup-steps", "2", "--lr", "3e-3", "--eval-interval", "100", "--eval-batches", "3",
-        "--log-interval", "1", "--save-interval", "100", "--seed", "7", "--sample-tokens", "0"]
+        "--log-interval", "1", "--save-interval", "100", "--seed", "7", "--sample-tokens", "0", "--dtype", "fp32"]
 TIMEOUT = 150
 
 

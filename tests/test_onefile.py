@@ -23,8 +23,9 @@ from lib import checkpoint, gpt
 # 6 steps of 2 micro-batches of 2 x 32 tokens; validation at steps 0, 3 and 6.
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "2",
          "--steps", "6", "--warmup-steps", "2", "--eval-interval", "3", "--eval-batches", "2", "--log-interval", "1"]
-# What onefile leaves to train.py: the token cache, the sample at the end (and MFU in the progress records).
-TRAIN_ONLY = ["--sample-tokens", "0"]
+# What onefile leaves to train.py: the token cache, the sample at the end (and MFU in the progress records), and
+# --dtype: these runs are fp32 (onefile's CPU rule pinned in `runs`) even on a CPU with bf16 (tests/test_dtype.py).
+TRAIN_ONLY = ["--sample-tokens", "0", "--dtype", "fp32"]
 PROSE = """The quick brown fox jumps over the lazy dog. Numbers: 3.14159, 2.71828, 1,000,000 and 42.
 Ünïcödé text, emoji 🙂, tabs\tand
 blank lines, and a quote: "it's a trap," she said; 'we'll see'."""
@@ -58,9 +59,11 @@ def run(script, env, out, *extra):
 
 @pytest.fixture(scope="module")
 def runs(env):
-    """train.py and onefile_train.py, 6 steps each with grad-accum 2."""
-    return {"train": run(train, env, "train", "--grad-accum", "2"),
-            "onefile": run(onefile_train, env, "onefile", "--grad-accum", "2")}
+    """train.py and onefile_train.py, 6 steps each with grad-accum 2, in fp32."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(onefile_train, "cpu_has_bf16", lambda: False)
+        return {"train": run(train, env, "train", "--grad-accum", "2"),
+                "onefile": run(onefile_train, env, "onefile", "--grad-accum", "2")}
 
 
 def test_same_losses_and_weights_as_train_py(runs):
@@ -136,7 +139,7 @@ def test_torchrun_two_ranks_match_one_process(runs, env):
     # 2 ranks x grad-accum 1 read the same windows as 1 process x grad-accum 2 (see onefile_train.Batches).
     out = str(env["dir"] / "ddp")
     proc = conftest.torchrun([os.path.join(ROOT, "onefile_train.py"), *env["common"], "--out-dir", out,
-                              "--grad-accum", "1"])
+                              "--grad-accum", "1"], env=conftest.FP32_CPU)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     assert "x 2 ranks" in proc.stdout
     single, ddp = losses(runs["onefile"]), losses(out)

@@ -55,7 +55,14 @@ class Case:
 
 GPT_TINY = [*TINY, "--steps", "4", "--eval-interval", "100", "--save-interval", "100", "--dropout", "0.1"]
 HUGE_BATCH = ["--batch-size", "100000000"]
-# The fine-tuning scripts: 4 steps of 2 x 32 tokens in fp32 (finetune_qlora.py's --dtype auto would time bf16).
+
+
+def without(flags, *names):
+    """The flags less the named ones and their values (onefile_train.py has no --sample-tokens or --dtype)."""
+    return [f for i, f in enumerate(flags) if f not in names and (i == 0 or flags[i - 1] not in names)]
+
+
+# The fine-tuning scripts: 4 steps of 2 x 32 tokens in fp32 (as every tiny run here: conftest.TINY).
 FT_TINY = ["--batch-size", "2", "--eval-batches", "1", "--sample-tokens", "0", "--log-interval", "1", "--steps", "4",
            "--eval-interval", "100", "--save-interval", "100", "--lora-dropout", "0.1", "--dtype", "fp32"]
 
@@ -90,8 +97,7 @@ CASES = {
                        bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
                        make_data=lambda tmp, source: ["--data", source]),
     # The compact inline contract (no lib/): one folder, OUT/checkpoint, renamed into place; its hook is named here.
-    "onefile_train": Case("onefile_train", [*GPT_TINY[:GPT_TINY.index("--sample-tokens")],
-                                            *GPT_TINY[GPT_TINY.index("--sample-tokens") + 2:]], stop_at=2,
+    "onefile_train": Case("onefile_train", without(GPT_TINY, "--sample-tokens", "--dtype"), stop_at=2,
                           weights=("checkpoint/model.safetensors",),
                           saved=("checkpoint/model.safetensors", "checkpoint/training_state.pt"),
                           bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],

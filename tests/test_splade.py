@@ -17,7 +17,7 @@ from lib.errors import UserError
 # A tiny model: 2 layers, 64 wide, vocabulary learned up to 400 entries.
 TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400", "--max-length", "32",
         "--max-query-length", "16", "--eval-batch-size", "64", "--log-interval", "1", "--device", "cpu",
-        "--lr", "1e-2", "--warmup-steps", "4"]
+        "--lr", "1e-2", "--warmup-steps", "4", "--dtype", "fp32"]
 
 
 @pytest.fixture(autouse=True)
