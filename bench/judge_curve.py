@@ -133,8 +133,9 @@ def render(path: str = RESULT) -> str:
         lines += [f"Not measured yet: {', '.join(f'{n:,}' for n in missing)} conversations "
                   f"(`python bench/judge_curve.py --model DIR --sizes {' '.join(map(str, missing))}`).", ""]
     m = report["machine"]  # the rows' load and threads are their own (the last column)
+    dates = sorted({p.get("machine", {}).get("date") or m["date"] for p in report["points"]} or {m["date"]})
     lines.append(f"Measured on {m.get('gpu') or m['cpu'] + ', ' + str(m['cores']) + ' cores'}, torch {m['torch']}, "
-                 f"{m['date']}.")
+                 f"{dates[0] if len(dates) == 1 else dates[0] + ' to ' + dates[-1]}.")
     return "\n".join(lines)
 
 
