@@ -272,3 +272,83 @@ def test_nothing_cites_issue_numbers():
             if CITATION.search(line):
                 problems.append(f"{path}:{n}: {line.strip()}")
     assert not problems, "cite what was measured, not an issue:\n" + "\n".join(problems)
+
+
+# --- quoted program output -----------------------------------------------------------------------
+
+# A quote of what a program prints: one of its message openings, then words.
+MESSAGE = re.compile(r"^(?:(?:error|warning|interrupted|data|model):|--[a-z][\w-]*:|terminated \(SIGTERM\):|saved )\s*\S")
+# What a page writes for a value the program fills in: N, OUT, PATH, numbers, paths, file names, flags, '...'.
+# A message is often put together from parts ("error: " + the message, "interrupted" + ": " + where): ": " splits.
+PLACEHOLDER = re.compile(r"\.\.\.|…|: |\bnan\b|\binf\b|\b[A-Z][A-Z_]*\b|\S*/\S*|\S+\.\w+|\d[\d,.]*|--[a-z][\w-]*|\bstep-\d+")
+FRAGMENT = 12  # literal fragments shorter than this are not checked (a word or two could be anywhere)
+
+
+@functools.lru_cache(maxsize=None)
+def source_strings():
+    """Every string literal of the repository's code (scripts, lib/, bench/), an f-string's holes as NUL."""
+    import ast
+    found = []
+    for path in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "lib", "*.py")) + \
+            glob.glob(os.path.join(ROOT, "bench", "*.py")):
+        for node in ast.walk(ast.parse(read(os.path.relpath(path, ROOT)))):
+            if isinstance(node, ast.JoinedStr):
+                found.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append(node.value)
+    return "\n".join(found)
+
+
+def quotes(text):
+    """(line, quote) for every quoted message: an inline code span, or a line of a code block, that opens
+    like program output. Figure blocks are left out: they are rendered from real output."""
+    lines = text.split("\n")
+    inside = {i for start, end, _ in render.blocks(text) for i in range(start, end + 1)}
+    found, fence, prose = [], False, []
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if i in inside:
+            continue
+        if fence or (line.startswith("    ") and not line.lstrip().startswith(("-", "*", "|"))):
+            if MESSAGE.match(line.strip()):
+                found.append((i + 1, line.strip()))
+        else:
+            prose.append((i + 1, line))
+    joined = "\n".join(line for _, line in prose)
+    numbers = [n for n, _ in prose]
+    for m in re.finditer(r"`([^`]+)`", joined):
+        quote = " ".join(m.group(1).split())
+        if MESSAGE.match(quote) and len(quote.split()) > 2:
+            found.append((numbers[joined[:m.start()].count("\n")], quote))
+    return found
+
+
+def missing_fragments(quote):
+    """The literal fragments of a quote (placeholders taken out) that no string of the code holds."""
+    return [f for f in (f.strip(" ;:,()'\"") for f in PLACEHOLDER.split(quote))
+            if len(f) >= FRAGMENT and f not in source_strings()]
+
+
+def test_pages_quote_messages():
+    assert sum(len(quotes(read(page))) for page in PAGES) >= 8
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_quoted_messages_are_what_the_code_prints(page):
+    problems = [f"{page}:{n}: {q[:100]}: not in the code: {missing_fragments(q)}"
+                for n, q in quotes(read(page)) if missing_fragments(q)]
+    assert not problems, "a page quotes output the code does not print:\n" + "\n".join(problems)
+
+
+def test_a_made_up_quote_is_caught():
+    page = "Resuming prints `--resume: continuing from the last good checkpoint in OUT` and\n\n" \
+           "    error: --resume: OUT/training_state.pt is damaged (truncated); it cannot be mended\n"
+    found = quotes(page)
+    assert [n for n, _ in found] == [3, 1]
+    assert missing_fragments(found[0][1]) == ["is damaged (truncated); it cannot be mended"]
+    assert missing_fragments(found[1][1]) == ["continuing from the last good checkpoint in"]
+    assert missing_fragments("error: the loss became nan at step N; stopped after the update") == \
+        ["stopped after the update"]
+    assert not missing_fragments("--resume: skipping the checkpoint OUT/checkpoints/step-000006: ...")
