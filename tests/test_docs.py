@@ -117,10 +117,18 @@ def commands(text):
     `torchrun ... X.py ...` in a fenced code block or an inline code span."""
     found = []
     in_fence = False
+    shell = {}  # NAME="..." set earlier in a code block (a transcript's $TINY), put into later commands
     for n, line in enumerate(text.split("\n"), 1):
         if line.lstrip().startswith("```"):
-            in_fence = not in_fence
+            in_fence, shell = not in_fence, {}
             continue
+        line = line.removeprefix("$ ")  # a transcript's command line
+        if in_fence and re.match(r'^\w+="[^"]*"$', line):
+            name, _, value = line.partition("=")
+            shell["$" + name] = value.strip('"')
+            continue
+        for name, value in shell.items():
+            line = line.replace(name, value)
         pieces = [line] if in_fence else re.findall(r"`([^`]+)`", line)
         for piece in pieces:
             for part in re.split(r"&&|\|\||;|\|", piece):
@@ -352,3 +360,73 @@ def test_a_made_up_quote_is_caught():
     assert missing_fragments("error: the loss became nan at step N; stopped after the update") == \
         ["stopped after the update"]
     assert not missing_fragments("--resume: skipping the checkpoint OUT/checkpoints/step-000006: ...")
+
+
+# --- measured numbers in sentences ----------------------------------------------------------------
+
+# A number with a unit of time, memory, rate or quality, or a ratio such as 1.45x: a computed or
+# measured figure, so it sits in a figure block (inline ones too: docs/render.py), or it drifts.
+FIGURE = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?\s*(?:(?:GiB|MiB|KiB|GB|MB|KB|TB|tokens/s|tok/s|samples/s|it/s"
+                    r"|seconds?|s|ms|min|minutes|hours|h)\b|(?<=\d)[x×](?!\w))|\b(?:MAE|r =|MRR@10) ?(?:of |is )?\d+\.\d+")
+# Arithmetic a page works by hand, not a measurement: (page, the exact phrase, why).
+BY_HAND = [
+    ("docs/adam8bit_explained.md", "3 GB", "1.5B parameters x 2 bytes of 8-bit state: arithmetic"),
+    ("docs/adam8bit_explained.md", "12 GB", "1.5B parameters x 8 bytes of fp32 AdamW state: arithmetic"),
+    ("docs/adam8bit_explained.md", "1 MiB", "the size of a chunk the code is written with (a constant)"),
+]
+
+
+def figures_in_sentences(page, text):
+    """(line, figure) for every figure outside a block: not in a figure block, an inline block, a code block
+    or an indented one, and not a phrase of BY_HAND."""
+    inside = {i for start, end, _ in render.blocks(text) for i in range(start, end + 1)}
+    allowed = [phrase for where, phrase, _ in BY_HAND if where == page]
+    found, fence = [], False
+    for i, line in enumerate(text.split("\n")):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if i in inside or fence or line.startswith("    ") or line.startswith("|"):
+            continue
+        line = render.INLINE.sub("", line)
+        for phrase in allowed:
+            line = line.replace(phrase, "")
+        found += [(i + 1, m.group(0)) for m in FIGURE.finditer(line)]
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_figures_in_sentences_sit_in_blocks(page):
+    found = figures_in_sentences(page, read(page))
+    assert not found, "render these from their source (an inline block), or delete them:\n" + "\n".join(
+        f"{page}:{n}: {figure}" for n, figure in found)
+
+
+def test_a_figure_in_a_sentence_is_caught_and_an_inline_block_is_not():
+    text = "It took 1.45x as long (12 s, 622 MiB, MAE 0.05), on 4 x 1024 tokens at 2 bytes a parameter.\n" \
+           "The peak: <!-- figures: docs.figures.value bench/results/x.json a -->622 MiB<!-- /figures -->.\n"
+    assert [f for _, f in figures_in_sentences("docs/x.md", text)] == ["1.45x", "12 s", "622 MiB", "MAE 0.05"]
+    assert [phrase for page, phrase, why in BY_HAND if not (page in PAGES and phrase in read(page) and why)] == []
+
+
+def test_an_inline_block_is_rendered_and_checked(tmp_path, monkeypatch):
+    json_path = tmp_path / "x.json"
+    json_path.write_text('{"run": {"peak_mib": 621.6}}')
+    line = f"The peak: <!-- figures: docs.figures.value {json_path} run.peak_mib {{:.0f}}_MiB -->600 MiB<!-- /figures -->."
+    new, changed = render.render_page(line)
+    assert changed == [(1, f"docs.figures.value {json_path} run.peak_mib {{:.0f}}_MiB", "600 MiB", "622 MiB")]
+    assert new == line.replace("600 MiB", "622 MiB") and render.render_page(new)[1] == []
+
+
+# --- transcripts of real runs ----------------------------------------------------------------------
+
+def test_every_transcript_is_on_a_page_and_keeps_no_timing_or_path():
+    from docs import transcripts
+    sources = {source for page in PAGES for _, _, source in render.blocks(read(page))}
+    assert {f"docs.transcripts.render {name}" for name in transcripts.SCENARIOS} <= sources
+    printed = ["model: 2 layers", "step     3/6 | loss 10.4273 | lr 2.67e-04 |      192 tok/s | mem 402.86 MiB | ETA 0m00s",
+               "data: 5,420,416 train tokens, /root/.cache/byhand/data/stdlib", "^C", "real\t0m1.2s",
+               "interrupted: saved step 4 to OUT; continue with --resume (or --auto-resume)"]
+    assert transcripts.tidy("\n".join(printed)) == [
+        "...", "step     3/6 | loss 10.4273 | ...", "...", "^C", "...", printed[-1]]
+    assert transcripts.stable("step 3/6 | loss 10.4273 | ...") == "step 3/6 | loss X | ..."
