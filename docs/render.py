@@ -27,7 +27,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPEN = re.compile(r"^<!-- figures: (?P<source>.+?) -->\s*$")
 CLOSE = "<!-- /figures -->"
-INLINE = re.compile(r"(?<!`)<!-- figures: (?P<source>[^>]+?) -->(?P<old>.*?)<!-- /figures -->")  # in a sentence (not quoted in `code`)
+# A number in a sentence (not one quoted in `code`): <!-- figures: SOURCE -->622 MiB<!-- /figures -->
+INLINE = re.compile(r"(?<!`)<!-- figures: (?P<source>[^>]+?) -->(?P<old>.*?)<!-- /figures -->")
 
 
 def pages():
