@@ -6,15 +6,18 @@
 
 Each scenario below is a few commands of train.py at a tiny shape (seconds each), run in a fresh
 folder with --out-dir OUT. A command may be cut short as the page says: INT@N / TERM@N send the process
-SIGINT (a terminal's Ctrl-C) or SIGTERM once N updates are done; a fault point of lib/checkpoint.fault_point
-(BYHAND_CRASH_AT) kills it with SIGKILL in the middle of a save. What it printed is kept but for the
-lines that depend on the machine or the clock: timings and throughput are cut, paths are OUT.
+SIGINT (a terminal's Ctrl-C) or SIGTERM once N updates are done; BYHAND_CRASH_AT (a fault point of
+lib/checkpoint.fault_point) kills it with SIGKILL in the middle of a save. Of what it printed, the lines
+about the run contract and the step lines are kept (less their rate, memory and ETA); '...' marks the
+others. Paths are OUT: the commands run in the scenario's folder.
 
-A run costs about a minute, so the rendering is cached in bench/results/transcripts.json with the sha256
-of the code it depends on (CODE); when that code changes, the scenario runs again. Every command but the
-torchrun one is a process forked from this one after train is imported (one torch start-up).
+All five cost minutes on a busy 2-core CPU, so the rendering is cached in bench/results/transcripts.json
+with the sha256 of the code it depends on (CODE); when that code changes, the scenario runs again, and
+`python docs/render.py` keeps the new run. Each scenario runs in a process of its own (run), which forks
+one child per command after train is imported (one torch start-up); torchrun commands are subprocesses.
 """
 
+import ast
 import glob
 import hashlib
 import json
@@ -50,9 +53,17 @@ CUT = re.compile(r"^(step +\d+/\d+ \| loss [\d.]+) \|.*$")  # a step line less i
 
 
 def code_hash() -> str:
+    """sha256 of what the code does: each file's syntax tree without its docstrings, so that a comment, a
+    docstring or a line wrapped differently keeps the cache."""
     h = hashlib.sha256()
     for path in sorted(p for pattern in CODE for p in glob.glob(os.path.join(ROOT, pattern))):
-        h.update(os.path.relpath(path, ROOT).encode() + b"\0" + open(path, "rb").read())
+        tree = ast.parse(open(path, encoding="utf-8").read())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                    and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+                node.body = body[1:] or [ast.Pass()]
+        h.update(os.path.relpath(path, ROOT).encode() + b"\0" + ast.dump(tree).encode())
     return h.hexdigest()
 
 

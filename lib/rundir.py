@@ -23,8 +23,10 @@ files, the flags that make the run what it is, the flags a resume may change, it
    point: the files are hard-linked into OUT/checkpoints/.step-N.tmp, which one rename makes
    OUT/checkpoints/step-N. Until that rename the previous checkpoint is the complete one; after it, the
    new one is. Older ones are then removed (--keep-last, default 1). The top of OUT keeps the files
-   where the scripts and transformers look for them; --resume puts them back from the checkpoint it
-   resumes. guards.check_finite_weights comes first: weights holding NaN or inf are never saved.
+   where the scripts and transformers look for them; --resume puts back from the checkpoint it resumes
+   any that is missing, truncated or replaced, one line each. Only a commit counts: files at the top
+   with no commit are no saved run (--resume refuses them, a new run replaces them).
+   guards.check_finite_weights comes first: weights holding NaN or inf are never saved.
 4. save_on_interrupt(): Ctrl-C saves the updates made so far and exits 130; SIGTERM (what SLURM,
    Kubernetes and spot machines send before SIGKILL) does the same and exits 143.
 5. Updates: an update skipped for a non-finite gradient is counted; MAX_SKIPPED in a row stop the
