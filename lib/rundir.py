@@ -35,6 +35,7 @@ files, the flags that make the run what it is, the flags a resume may change, it
 
 import contextlib
 import dataclasses
+import filecmp
 import hashlib
 import json
 import os
@@ -284,8 +285,9 @@ def restore_top(out_dir: str, folder: str, spec: Spec, log=print):
         if not (os.path.exists(top) and os.path.samefile(top, kept)):
             how = "missing" if not os.path.exists(top) else top_damage(top, kept, spec.saved.get(rel, "exists"))
             link_or_copy(kept, top)
-            log(f"--resume: {rel} at the top of {out_dir} was {how}; put back from "
-                f"{os.path.relpath(folder, out_dir)}")
+            if how:  # a copy of the same bytes (a run directory copied elsewhere) is linked again, silently
+                log(f"--resume: {rel} at the top of {out_dir} was {how}; put back from "
+                    f"{os.path.relpath(folder, out_dir)}")
     for entry in entries:
         if os.path.isdir(os.path.join(out_dir, entry)):
             for root, dirs, names in os.walk(os.path.join(out_dir, entry), topdown=False):
@@ -303,7 +305,9 @@ def restore_top(out_dir: str, folder: str, spec: Spec, log=print):
 
 def top_damage(top: str, kept: str, check) -> str:
     """How a file at the top of OUT differs from the checkpoint's: truncated, damaged, or replaced (sound but
-    another file: a newer save cut short before its commit, or a file copied there)."""
+    another file: a newer save cut short before its commit, or a file copied there); None for the same bytes."""
+    if os.path.getsize(top) == os.path.getsize(kept) and filecmp.cmp(top, kept, shallow=False):
+        return None
     try:
         check_file(top, check)
     except UserError:

@@ -240,6 +240,11 @@ def test_a_file_put_back_at_the_top_is_said_in_one_line(saved, flag):
         assert os.path.samefile(out / name, out / "checkpoints" / "step-000003" / name)
     _, _, messages = prepare(["--out-dir", str(out), flag])
     assert not [m for m in messages if "put back" in m]  # nothing to repair: nothing said
+    os.remove(out / "config.json")  # a copy of the same bytes (a run folder copied elsewhere): linked again, silently
+    (out / "config.json").write_bytes((out / "checkpoints" / "step-000003" / "config.json").read_bytes())
+    _, _, messages = prepare(["--out-dir", str(out), flag])
+    assert not [m for m in messages if "put back" in m]
+    assert os.path.samefile(out / "config.json", out / "checkpoints" / "step-000003" / "config.json")
 
 
 def test_commit_keeps_the_newest_and_a_second_save_of_a_step_is_newer(saved):
