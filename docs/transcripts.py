@@ -170,9 +170,10 @@ def render(name) -> str:
     global _cache
     if _cache is None:
         _cache = json.load(open(CACHE)) if os.path.exists(CACHE) else {"code": None, "transcripts": {}}
-    cached = _cache["transcripts"].get(name)
-    if cached is not None and _cache["code"] == code_hash():
+    cached, code = _cache["transcripts"].get(name), code_hash()  # the code as it is before the run
+    if cached is not None and _cache["code"] == code:
         return cached
+    _fresh.setdefault("code", code)
     text = run(name)
     if cached is not None and stable(cached) == stable(text):
         text = cached
@@ -185,9 +186,12 @@ def write_cache():
     if not _fresh:
         return
     from bench import machine
+    code = _fresh.pop("code")
     transcripts = {**(_cache or {}).get("transcripts", {}), **_fresh}
+    if code != code_hash() or set(transcripts) - set(_fresh):  # the code changed meanwhile, or some did not run
+        return
     with open(CACHE, "w", encoding="utf-8") as f:
-        json.dump({"code": code_hash(), "machine": machine.describe(quiet=False), "transcripts": transcripts}, f,
+        json.dump({"code": code, "machine": machine.describe(quiet=False), "transcripts": transcripts}, f,
                   indent=1, sort_keys=True)
         f.write("\n")
 
