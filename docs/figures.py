@@ -200,6 +200,28 @@ def chunk_policy():
 
 # --- measurements recorded before their bench wrote JSON ----------------------------------------
 
+def value(path, key, form="{}"):
+    """One number of a bench JSON, for an inline block in a sentence: KEY is a dotted path into the file
+    (a list index as a number), FORM a format string with no spaces ({:.2f}x, {:,.0f}_MiB: _ is a space)."""
+    import json
+    with open(os.path.join(ROOT, path), encoding="utf-8") as f:
+        found = json.load(f)
+    for part in key.split("."):
+        found = found[int(part)] if isinstance(found, list) else found[part]
+    return form.replace("_", " ").format(found)
+
+
+def constant(name, unit=""):
+    """A constant of the code, for an inline block: "lib.memory.CPU_FIRST_STEP MiB" renders "20 MiB"; a
+    dict entry is named after a dot (lib.memory.RUNTIME_BASELINE.cpu)."""
+    parts = name.split(".")
+    found = importlib.import_module(".".join(parts[:2]))
+    for part in parts[2:]:
+        found = found[part] if isinstance(found, dict) else getattr(found, part)
+    scale = {"KiB": 2**10, "MiB": 2**20, "GiB": 2**30}.get(unit, 1)
+    return f"{found / scale:g} {unit}".strip()
+
+
 def recorded(path, key):
     """A table or figure kept in a bench/results JSON whose bench printed it before JSON was committed.
 

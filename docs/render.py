@@ -9,11 +9,13 @@ A figure block is a table or number that comes from the code or from a measureme
     ...rendered markdown...
     <!-- /figures -->
 
+or, for one number inside a sentence, inline: `... peaked at <!-- figures: SOURCE -->622 MiB<!-- /figures -->.`
 The opening comment names its SOURCE: a function, importable from the repository root, and the
 arguments it is called with (strings, split on spaces). The function returns the block's markdown.
 For a measured table the argument is a committed JSON file under bench/results/, and the rendering
 names the device, torch version and date recorded in it (bench.machine.caption). For an estimator
-table the function computes the figures on the meta device, in seconds. Nothing here trains.
+table the function computes the figures on the meta device, in seconds. A transcript of real runs
+(docs.transcripts.render NAME) trains for seconds, and only when the code it ran has changed.
 """
 
 import argparse
@@ -25,6 +27,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OPEN = re.compile(r"^<!-- figures: (?P<source>.+?) -->\s*$")
 CLOSE = "<!-- /figures -->"
+# A number in a sentence (not one quoted in `code`): <!-- figures: SOURCE -->622 MiB<!-- /figures -->
+INLINE = re.compile(r"(?<!`)<!-- figures: (?P<source>[^>]+?) -->(?P<old>.*?)<!-- /figures -->")
 
 
 def pages():
@@ -47,7 +51,7 @@ def blocks(text):
     lines = text.split("\n")
     start = source = None
     for i, line in enumerate(lines):
-        m = OPEN.match(line)
+        m = None if INLINE.search(line) else OPEN.match(line)
         if m:
             if start is not None:
                 raise ValueError(f"line {i + 1}: a figure block opens inside the block opened at line {start + 1}")
@@ -65,6 +69,8 @@ def render_page(text):
     """The page with every block replaced by its rendering; returns (new text, [(line, source, old, new)])."""
     lines = text.split("\n")
     out, last, changed = [], 0, []
+    for i, line in enumerate(lines):  # numbers in sentences first: the line numbers are the page's
+        lines[i] = INLINE.sub(lambda m: inline(m, i, changed), line)
     for start, end, source in blocks(text):
         try:
             new = call(source)
@@ -76,7 +82,20 @@ def render_page(text):
         out += lines[last:start + 1] + [new]
         last = end
     out += lines[last:]
-    return "\n".join(out), changed
+    return "\n".join(out), sorted(changed)
+
+
+def inline(m, i, changed):
+    """One inline block, <!-- figures: SOURCE -->NUMBER<!-- /figures --> inside a sentence, rendered again."""
+    try:
+        new = call(m.group("source"))
+    except Exception as err:
+        raise RuntimeError(f"line {i + 1}: figure {m.group('source')} failed to render: {err!r}") from err
+    if "\n" in new:
+        raise ValueError(f"line {i + 1}: inline figure {m.group('source')} renders more than one line")
+    if new != m.group("old"):
+        changed.append((i + 1, m.group("source"), m.group("old"), new))
+    return f"<!-- figures: {m.group('source')} -->{new}{CLOSE}"
 
 
 def main(argv=None):
@@ -100,6 +119,8 @@ def main(argv=None):
         if changed and not args.check:
             with open(path, "w", encoding="utf-8") as f:
                 f.write(new)
+    if not args.check and "docs.transcripts" in sys.modules:
+        sys.modules["docs.transcripts"].write_cache()  # the transcripts run now, kept with their code's hash
     if args.check and differ:
         print(f"{differ} block(s) differ; run `python docs/render.py` to rewrite them", file=sys.stderr)
         return 1

@@ -23,8 +23,10 @@ files, the flags that make the run what it is, the flags a resume may change, it
    point: the files are hard-linked into OUT/checkpoints/.step-N.tmp, which one rename makes
    OUT/checkpoints/step-N. Until that rename the previous checkpoint is the complete one; after it, the
    new one is. Older ones are then removed (--keep-last, default 1). The top of OUT keeps the files
-   where the scripts and transformers look for them; --resume puts them back from the checkpoint it
-   resumes. guards.check_finite_weights comes first: weights holding NaN or inf are never saved.
+   where the scripts and transformers look for them; --resume puts back from the checkpoint it resumes
+   any that is missing, truncated or replaced, one line each. Only a commit counts: files at the top
+   with no commit are no saved run (--resume refuses them, a new run replaces them).
+   guards.check_finite_weights comes first: weights holding NaN or inf are never saved.
 4. save_on_interrupt(): Ctrl-C saves the updates made so far and exits 130; SIGTERM (what SLURM,
    Kubernetes and spot machines send before SIGKILL) does the same and exits 143.
 5. Updates: an update skipped for a non-finite gradient is counted; MAX_SKIPPED in a row stop the
@@ -33,6 +35,7 @@ files, the flags that make the run what it is, the flags a resume may change, it
 
 import contextlib
 import dataclasses
+import filecmp
 import hashlib
 import json
 import os
@@ -150,6 +153,9 @@ def prepare(args, parser, argv, spec: Spec, log=print, writes: bool = True) -> R
     if not writes and not resume:
         return Run(out_dir, spec)
     if not resume:
+        if uncommitted(out_dir, spec) and not overwrite:
+            log(f"{out_dir}: {', '.join(uncommitted(out_dir, spec))} at the top are in no commit (a first save cut "
+                f"short); the new run replaces them")
         if holds_saved_run(out_dir, spec) and not overwrite:
             found = [name for name in spec.saved if os.path.exists(os.path.join(out_dir, name))] or [CHECKPOINTS]
             raise UserError(f"{out_dir} already holds a saved run ({', '.join(found)}); pass --resume (or "
@@ -161,7 +167,7 @@ def prepare(args, parser, argv, spec: Spec, log=print, writes: bool = True) -> R
     run = Run(out_dir, spec, state, dict(state.get("data_sha256") or {}), checkpoint_dir=where)
     apply_saved_flags(run, args, parser, argv, log)
     if writes and where != out_dir:
-        restore_top(out_dir, where, spec)
+        restore_top(out_dir, where, spec, log)
     return run
 
 
@@ -185,11 +191,22 @@ def holds_saved_run(out_dir: str, spec: Spec) -> bool:
     return any(os.path.exists(os.path.join(out_dir, name)) for name in spec.saved)
 
 
+def uncommitted(out_dir: str, spec: Spec) -> list:
+    """The saved files at the top of a directory whose checkpoints/ holds no commit: a first save cut short."""
+    if not os.path.isdir(os.path.join(out_dir, CHECKPOINTS)) or committed(out_dir):
+        return []
+    return [name for name in spec.saved if os.path.exists(os.path.join(out_dir, name))]
+
+
 def check_saved_run(out_dir: str, spec: Spec, log=print):
     """The newest checkpoint whose every file is sound -> (its folder, its training state). A damaged one
     is skipped for the one before, with one line; when none is left, the newest one's fault is the error.
     A directory saved before checkpoints/ existed is its own one checkpoint."""
     folders = committed(out_dir)
+    if not folders and uncommitted(out_dir, spec):  # only a commit counts, for --resume as for --auto-resume
+        raise UserError(f"--resume: {out_dir} holds no committed checkpoint ({', '.join(uncommitted(out_dir, spec))} "
+                        f"at the top are in no commit: a first save cut short); start again with --auto-resume or "
+                        f"--overwrite")
     if not folders:
         return out_dir, check_checkpoint(out_dir, out_dir, spec)
     first = None
@@ -256,17 +273,21 @@ def link_or_copy(src: str, dst: str):
     os.replace(tmp, dst)
 
 
-def restore_top(out_dir: str, folder: str, spec: Spec):
+def restore_top(out_dir: str, folder: str, spec: Spec, log=print):
     """--resume: the top of OUT made the checkpoint being resumed again (hard links to its files), where a
-    save cut short left newer files there; a directory entry (sharded/) loses the files the checkpoint has
-    not (a DCP folder half-written). Every rank of a torchrun may do this at once: each step is a rename
-    to the same file, so they agree."""
+    save cut short left newer files there, or a file is missing, truncated or replaced: each file put back
+    is said in one line. A directory entry (sharded/) loses the files the checkpoint has not (a DCP folder
+    half-written). Every rank of a torchrun may do this at once: each step is a rename to the same file."""
     entries = spec.checkpoint or tuple(spec.saved)
     keep = set(files_under(folder, entries))
     for rel in sorted(keep):
-        top = os.path.join(out_dir, rel)
-        if not (os.path.exists(top) and os.path.samefile(top, os.path.join(folder, rel))):
-            link_or_copy(os.path.join(folder, rel), top)
+        top, kept = os.path.join(out_dir, rel), os.path.join(folder, rel)
+        if not (os.path.exists(top) and os.path.samefile(top, kept)):
+            how = "missing" if not os.path.exists(top) else top_damage(top, kept, spec.saved.get(rel, "exists"))
+            link_or_copy(kept, top)
+            if how:  # a copy of the same bytes (a run directory copied elsewhere) is linked again, silently
+                log(f"--resume: {rel} at the top of {out_dir} was {how}; put back from "
+                    f"{os.path.relpath(folder, out_dir)}")
     for entry in entries:
         if os.path.isdir(os.path.join(out_dir, entry)):
             for root, dirs, names in os.walk(os.path.join(out_dir, entry), topdown=False):
@@ -280,6 +301,18 @@ def restore_top(out_dir: str, folder: str, spec: Spec):
                     if not any(k.startswith(rel + os.sep) for k in keep):
                         with contextlib.suppress(OSError):
                             os.rmdir(os.path.join(root, name))  # only when empty
+
+
+def top_damage(top: str, kept: str, check) -> str:
+    """How a file at the top of OUT differs from the checkpoint's: truncated, damaged, or replaced (sound but
+    another file: a newer save cut short before its commit, or a file copied there); None for the same bytes."""
+    if os.path.getsize(top) == os.path.getsize(kept) and filecmp.cmp(top, kept, shallow=False):
+        return None
+    try:
+        check_file(top, check)
+    except UserError:
+        return "truncated" if os.path.getsize(top) < os.path.getsize(kept) else "damaged"
+    return "truncated" if check == "exists" and os.path.getsize(top) < os.path.getsize(kept) else "replaced"
 
 
 def check_file(path: str, check) -> None:

@@ -117,10 +117,18 @@ def commands(text):
     `torchrun ... X.py ...` in a fenced code block or an inline code span."""
     found = []
     in_fence = False
+    shell = {}  # NAME="..." set earlier in a code block (a transcript's $TINY), put into later commands
     for n, line in enumerate(text.split("\n"), 1):
         if line.lstrip().startswith("```"):
-            in_fence = not in_fence
+            in_fence, shell = not in_fence, {}
             continue
+        line = line.removeprefix("$ ")  # a transcript's command line
+        if in_fence and re.match(r'^\w+="[^"]*"$', line):
+            name, _, value = line.partition("=")
+            shell["$" + name] = value.strip('"')
+            continue
+        for name, value in shell.items():
+            line = line.replace(name, value)
         pieces = [line] if in_fence else re.findall(r"`([^`]+)`", line)
         for piece in pieces:
             for part in re.split(r"&&|\|\||;|\|", piece):
@@ -272,3 +280,190 @@ def test_nothing_cites_issue_numbers():
             if CITATION.search(line):
                 problems.append(f"{path}:{n}: {line.strip()}")
     assert not problems, "cite what was measured, not an issue:\n" + "\n".join(problems)
+
+
+# --- quoted program output -----------------------------------------------------------------------
+
+# A quote of what a program prints: one of its message openings, then words.
+MESSAGE = re.compile(r"^(?:(?:error|warning|interrupted|data|model):|--[a-z][\w-]*:|terminated \(SIGTERM\):"
+                     r"|saved )\s*\S")
+# What a page writes for a value the program fills in: N, OUT, PATH, numbers, paths, file names, flags, '...'.
+# A message is often put together from parts ("error: " + the message, "interrupted" + ": " + where): ": " splits.
+PLACEHOLDER = re.compile(r"\.\.\.|…|: |\bnan\b|\binf\b|\b[A-Z][A-Z_]*\b|\S*/\S*|\S+\.\w+|\d[\d,.]*|--[a-z][\w-]*"
+                         r"|\bstep-\d+")
+FRAGMENT = 12  # literal fragments shorter than this are not checked (a word or two could be anywhere)
+
+
+@functools.lru_cache(maxsize=None)
+def source_strings():
+    """Every string literal of the repository's code (scripts, lib/, bench/), an f-string's holes as NUL."""
+    import ast
+    found = []
+    for path in glob.glob(os.path.join(ROOT, "*.py")) + glob.glob(os.path.join(ROOT, "lib", "*.py")) + \
+            glob.glob(os.path.join(ROOT, "bench", "*.py")):
+        for node in ast.walk(ast.parse(read(os.path.relpath(path, ROOT)))):
+            if isinstance(node, ast.JoinedStr):
+                found.append("".join(v.value if isinstance(v, ast.Constant) else "\0" for v in node.values))
+            elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+                found.append(node.value)
+    return "\n".join(found)
+
+
+def quotes(text):
+    """(line, quote) for every quoted message: an inline code span, or a line of a code block, that opens
+    like program output. Figure blocks are left out: they are rendered from real output."""
+    lines = text.split("\n")
+    inside = {i for start, end, _ in render.blocks(text) for i in range(start, end + 1)}
+    found, fence, prose = [], False, []
+    for i, line in enumerate(lines):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if i in inside:
+            continue
+        if fence or (line.startswith("    ") and not line.lstrip().startswith(("-", "*", "|"))):
+            if MESSAGE.match(line.strip()):
+                found.append((i + 1, line.strip()))
+        else:
+            prose.append((i + 1, line))
+    joined = "\n".join(line for _, line in prose)
+    numbers = [n for n, _ in prose]
+    for m in re.finditer(r"`([^`]+)`", joined):
+        quote = " ".join(m.group(1).split())
+        if MESSAGE.match(quote) and len(quote.split()) > 2:
+            found.append((numbers[joined[:m.start()].count("\n")], quote))
+    return found
+
+
+def missing_fragments(quote):
+    """The literal fragments of a quote (placeholders taken out) that no string of the code holds."""
+    return [f for f in (f.strip(" ;:,()'\"") for f in PLACEHOLDER.split(quote))
+            if len(f) >= FRAGMENT and f not in source_strings()]
+
+
+def test_pages_quote_messages():
+    assert sum(len(quotes(read(page))) for page in PAGES) >= 5
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_quoted_messages_are_what_the_code_prints(page):
+    problems = [f"{page}:{n}: {q[:100]}: not in the code: {missing_fragments(q)}"
+                for n, q in quotes(read(page)) if missing_fragments(q)]
+    assert not problems, "a page quotes output the code does not print:\n" + "\n".join(problems)
+
+
+def test_a_made_up_quote_is_caught():
+    page = "Resuming prints `--resume: continuing from the last good checkpoint in OUT` and\n\n" \
+           "    error: --resume: OUT/training_state.pt is damaged (truncated); it cannot be mended\n"
+    found = quotes(page)
+    assert [n for n, _ in found] == [3, 1]
+    assert missing_fragments(found[0][1]) == ["is damaged (truncated); it cannot be mended"]
+    assert missing_fragments(found[1][1]) == ["continuing from the last good checkpoint in"]
+    assert missing_fragments("error: the loss became nan at step N; stopped after the update") == \
+        ["stopped after the update"]
+    assert not missing_fragments("--resume: skipping the checkpoint OUT/checkpoints/step-000006: ...")
+
+
+# --- measured numbers in sentences ----------------------------------------------------------------
+
+# A number with a unit of time, memory, rate or quality, or a ratio such as 1.45x: a computed or
+# measured figure, so it sits in a figure block (inline ones too: docs/render.py), or it drifts.
+FIGURE = re.compile(r"(?<![\w.-])\d[\d,]*(?:\.\d+)?\s*(?:(?:GiB|MiB|KiB|GB|MB|KB|TB|tokens/s|tok/s|samples/s|it/s"
+                    r"|seconds?|s|ms|min|minutes|hours|h)\b|(?<=\d)[x×](?!\w))"
+                    r"|\b(?:MAE|r =|MRR@10) ?(?:of |is )?\d+\.\d+")
+# Arithmetic a page works by hand, not a measurement: (page, the exact phrase, why).
+BY_HAND = [
+    ("docs/adam8bit_explained.md", "3 GB", "1.5B parameters x 2 bytes of 8-bit state: arithmetic"),
+    ("docs/adam8bit_explained.md", "12 GB", "1.5B parameters x 8 bytes of fp32 AdamW state: arithmetic"),
+    ("docs/adam8bit_explained.md", "1 MiB", "the size of a chunk the code is written with (a constant)"),
+    ("docs/big_vocab_loss.md", "206 MB", "8 x 128 tokens x 50,257 x 4 bytes: the default's logits"),
+    ("docs/big_vocab_loss.md", "128 KiB", "glibc's documented starting mmap threshold"),
+    ("docs/big_vocab_loss.md", "32 MiB", "glibc's documented ceiling of its mmap threshold; an earlier chunk budget"),
+    ("docs/big_vocab_loss.md", "4 KiB", "the page size"),
+    ("docs/big_vocab_loss.md", "24 GB", "the figure the Cut Cross-Entropy paper reports, cited"),
+    ("docs/big_vocab_loss.md", "1 MB", "the figure the Cut Cross-Entropy paper reports, cited"),
+    ("docs/big_vocab_loss.md", "147 MiB", "50,257 x 768 x 4 bytes: a weight gradient"),
+    ("docs/big_vocab_loss.md", "445 MiB", "151,936 x 768 x 4 bytes: a weight gradient"),
+    ("docs/fsdp2_explained.md", "23.2 GiB", "1,557,611,200 parameters x 16 bytes, worked on the page"),
+    ("docs/fsdp2_explained.md", "313 MiB", "the root unit's parameters x 4 bytes, listed on the page"),
+    ("docs/fsdp2_explained.md", "1.5x", "3P against 2P of traffic, worked on the page"),
+    ("docs/fsdp2_explained.md", "24 GB", "a GPU's memory size, not a figure of this repository"),
+    ("docs/fsdp2_explained.md", "307 MiB", "50,257 x 1,600 x 4 bytes, worked on the page"),
+    ("docs/fsdp2_explained.md", "30 seconds", "torchrun's grace period before it kills the workers, a setting"),
+    ("docs/fsdp2_explained.md", "6.2 GB", "1.56B parameters x 4 bytes"),
+    ("docs/judge_mps_vs_cuda.md", "128 KiB", "judge_train_cuda.py's heap threshold (cpu_heap_threshold), a setting"),
+    ("docs/memory_optimization.md", "22 MiB", "B_eff (2 + k) x vocabulary x 8 bytes for BERT-base at 32, worked on the page"),
+    ("docs/pretraining_data.md", "1,600 MB", "the sizes bench/prepare.py is told to prepare: its inputs"),
+    ("docs/pretraining_data.md", "8 MB", "the size of the files bench/prepare.py writes: its input"),
+    ("docs/qlora_explained.md", "23 GiB", "1.56 billion parameters x 16 bytes, worked on the page"),
+    ("docs/qlora_explained.md", "475 MiB", "GPT-2 124M's parameters x 4 bytes"),
+    ("docs/qlora_explained.md", "32 MiB", "glibc's documented ceiling of its mmap threshold"),
+    ("docs/splade_explained.md", "5.94 GiB", "17,408 tokens x 30,522 x 12 bytes, worked on the page"),
+    ("docs/splade_explained.md", "32 MiB", "glibc's documented ceiling of its mmap threshold"),
+    ("docs/splade_explained.md", "17.7 MB", "4.4M parameters x 4 bytes"),
+    ("docs/wpo_sgm_memory.md", "36 GB", "K = 1000 x 3072^2 x 4 bytes, as the original README prints it"),
+    ("docs/wpo_sgm_memory.md", "36.00 GB", "the original README's own output, quoted"),
+    ("docs/wpo_sgm_memory.md", "37.7 GB", "1000 x 3072^2 x 4 bytes, worked on the page"),
+    ("docs/wpo_sgm_memory.md", "35.2 GiB", "1000 x 3072^2 x 4 bytes, worked on the page"),
+    ("docs/wpo_sgm_memory.md", "3.4 GiB", "307 M parameters x 12 bytes (weights and AdamW state; the update)"),
+    ("docs/wpo_sgm_memory.md", "5 s", "the script's progress interval (EVERY), a setting"),
+    ("docs/wpo_sgm_memory.md", "32 MiB", "glibc's documented ceiling of its mmap threshold"),
+    ("docs/wpo_sgm_memory.md", "128 KiB", "the script's heap threshold, a setting"),
+]
+
+
+def figures_in_sentences(page, text):
+    """(line, figure) for every figure outside a block: not in a figure block, an inline block, a code block
+    or an indented one, and not a phrase of BY_HAND."""
+    inside = {i for start, end, _ in render.blocks(text) for i in range(start, end + 1)}
+    allowed = [phrase for where, phrase, _ in BY_HAND if where == page]
+    found, fence = [], False
+    for i, line in enumerate(text.split("\n")):
+        if line.lstrip().startswith("```"):
+            fence = not fence
+            continue
+        if i in inside or fence or line.startswith("    ") or line.startswith("|"):
+            continue
+        line = render.INLINE.sub("", line)
+        for phrase in allowed:
+            line = line.replace(phrase, "")
+        found += [(i + 1, m.group(0)) for m in FIGURE.finditer(line)]
+    return found
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_figures_in_sentences_sit_in_blocks(page):
+    found = figures_in_sentences(page, read(page))
+    assert not found, "render these from their source (an inline block), or delete them:\n" + "\n".join(
+        f"{page}:{n}: {figure}" for n, figure in found)
+
+
+def test_a_figure_in_a_sentence_is_caught_and_an_inline_block_is_not():
+    text = "It took 1.45x as long (12 s, 622 MiB, MAE 0.05), on 4 x 1024 tokens at 2 bytes a parameter.\n" \
+           "The peak: <!-- figures: docs.figures.value bench/results/x.json a -->622 MiB<!-- /figures -->.\n"
+    assert [f for _, f in figures_in_sentences("docs/x.md", text)] == ["1.45x", "12 s", "622 MiB", "MAE 0.05"]
+    assert [phrase for page, phrase, why in BY_HAND if not (page in PAGES and phrase in read(page) and why)] == []
+
+
+def test_an_inline_block_is_rendered_and_checked(tmp_path, monkeypatch):
+    json_path = tmp_path / "x.json"
+    json_path.write_text('{"run": {"peak_mib": 621.6}}')
+    source = f"docs.figures.value {json_path} run.peak_mib {{:.0f}}_MiB"
+    line = f"The peak: <!-- figures: {source} -->600 MiB<!-- /figures -->."
+    new, changed = render.render_page(line)
+    assert changed == [(1, source, "600 MiB", "622 MiB")]
+    assert new == line.replace("600 MiB", "622 MiB") and render.render_page(new)[1] == []
+
+
+# --- transcripts of real runs ----------------------------------------------------------------------
+
+def test_every_transcript_is_on_a_page_and_keeps_no_timing_or_path():
+    from docs import transcripts
+    sources = {source for page in PAGES for _, _, source in render.blocks(read(page))}
+    assert {f"docs.transcripts.render {name}" for name in transcripts.SCENARIOS} <= sources
+    printed = ["model: 2 layers", "step     3/6 | loss 10.4273 | lr 2.67e-04 |   192 tok/s | mem 402.86 MiB | ETA 0m00s",
+               "data: 5,420,416 train tokens, /root/.cache/byhand/data/stdlib", "^C", "real\t0m1.2s",
+               "interrupted: saved step 4 to OUT; continue with --resume (or --auto-resume)"]
+    assert transcripts.tidy("\n".join(printed)) == [
+        "...", "step     3/6 | loss 10.4273 | ...", "...", "^C", "...", printed[-1]]
+    assert transcripts.stable("step 3/6 | loss 10.4273 | ...") == "step 3/6 | loss X | ..."

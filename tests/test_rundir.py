@@ -211,9 +211,40 @@ def test_auto_resume_starts_continues_and_never_takes_an_uncommitted_save(saved,
     rundir.begin(run, args)
     save_file({"w": torch.ones(2)}, str(fresh / "model.safetensors"), metadata={"step": "1"})
     run, args, messages = prepare(["--out-dir", str(fresh), "--train-file", str(data), "--auto-resume"])
-    assert not run.resumed
+    assert not run.resumed and "model.safetensors at the top are in no commit" in messages[-1]
+    # --resume agrees: only a commit counts. It refuses, in one line, and removes nothing.
+    with pytest.raises(UserError, match=r"holds no committed checkpoint \(model.safetensors at the top are in no "
+                                        r"commit: a first save cut short\); start again with --auto-resume"):
+        prepare(["--out-dir", str(fresh), "--resume"])
+    assert sorted(os.listdir(fresh)) == ["checkpoints", "model.safetensors"]
     rundir.begin(run, args)
     assert os.listdir(fresh) == ["checkpoints"]  # the uncommitted weights are gone
+
+
+@pytest.mark.parametrize("flag", ["--resume", "--auto-resume"])
+def test_a_file_put_back_at_the_top_is_said_in_one_line(saved, flag):
+    out, data = saved
+    state = (out / "training_state.pt").read_bytes()
+    os.remove(out / "training_state.pt")  # a new name: the checkpoint's link keeps the old bytes whole
+    (out / "training_state.pt").write_bytes(state[: len(state) // 2])
+    os.remove(out / "config.json")
+    os.remove(out / "model.safetensors")
+    save_file({"w": torch.zeros(2)}, str(out / "model.safetensors"), metadata={"step": "3"})
+    run, args, messages = prepare(["--out-dir", str(out), flag])
+    where = f"at the top of {out} was"
+    assert [m for m in messages if "put back" in m] == [
+        f"--resume: config.json {where} missing; put back from checkpoints/step-000003",
+        f"--resume: model.safetensors {where} replaced; put back from checkpoints/step-000003",
+        f"--resume: training_state.pt {where} truncated; put back from checkpoints/step-000003"]
+    for name in ("config.json", "model.safetensors", "training_state.pt"):
+        assert os.path.samefile(out / name, out / "checkpoints" / "step-000003" / name)
+    _, _, messages = prepare(["--out-dir", str(out), flag])
+    assert not [m for m in messages if "put back" in m]  # nothing to repair: nothing said
+    os.remove(out / "config.json")  # a copy of the same bytes (a run folder copied elsewhere): linked again, silently
+    (out / "config.json").write_bytes((out / "checkpoints" / "step-000003" / "config.json").read_bytes())
+    _, _, messages = prepare(["--out-dir", str(out), flag])
+    assert not [m for m in messages if "put back" in m]
+    assert os.path.samefile(out / "config.json", out / "checkpoints" / "step-000003" / "config.json")
 
 
 def test_commit_keeps_the_newest_and_a_second_save_of_a_step_is_newer(saved):
