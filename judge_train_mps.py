@@ -96,7 +96,8 @@ def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
     p.add_argument("--output_dir", "--output-dir", "--out-dir", default=f"out/{script}",
                    help="where the best adapter (PEFT layout), tokenizer, training state, metrics.jsonl and "
                    "test_predictions.json go")
-    p.add_argument("--skip_eval", "--skip-eval", action="store_true", help="skip the test-set evaluation after training")
+    p.add_argument("--skip_eval", "--skip-eval", action="store_true",
+                   help="skip the test-set evaluation after training")
     p.add_argument("--adapter", default=None,
                    help="start from this LoRA adapter directory (either script's); with --epochs 0 just evaluate it")
     p.add_argument("--lora_r", "--lora-r", type=guards.positive_int, default=None,
@@ -242,7 +243,8 @@ EN_PT = [("the", "o"), ("a", "um"), ("cat", "gato"), ("dog", "cão"), ("house", 
          ("door", "porta"), ("table", "mesa"), ("milk", "leite"), ("runs", "corre"), ("reads", "lê")]
 SENTENCE_WORDS = 10
 SPLIT_SIZES = {"train": 1200, "val": 100, "test": 100}
-PROMPT = "Grade this English to Portuguese translation.\nSource: {source}\nTranslation: {candidate}\nReference: {reference}"
+PROMPT = ("Grade this English to Portuguese translation.\n"
+          "Source: {source}\nTranslation: {candidate}\nReference: {reference}")
 
 
 def judge_example(rng: random.Random, score_fn=None) -> dict:
@@ -338,7 +340,8 @@ def read_split(path: str) -> list:
             if not isinstance(m, dict):
                 raise UserError(f"{where}: messages[{j}] must be an object with 'role' and 'content'")
             if m.get("role") not in ("system", "user", "assistant"):
-                raise UserError(f"{where}: field messages[{j}].role is {m.get('role')!r}; use system, user or assistant")
+                raise UserError(f"{where}: field messages[{j}].role is {m.get('role')!r}; use system, user or "
+                                "assistant")
             if not isinstance(m.get("content"), str):
                 raise UserError(f"{where}: field messages[{j}].content must be a string")
         last = len(msgs) - 1
@@ -948,7 +951,8 @@ def run(args, parser=None, argv=None, spec: rundir.Spec = RUN, defaults=DEFAULTS
     run_dir = rundir.prepare(args, parser, argv, spec, writes=not args.estimate_memory)
     resolve_defaults(args, defaults)
     recipe = recipe_for(args)
-    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    if argv is None:
         devices.steady_cpu_heap(recipe.cpu_heap_threshold)
     threads = torch.get_num_threads()
     if args.model == TINY and recipe.device.type == "cpu":

@@ -72,7 +72,8 @@ def test_a_changed_digit_in_any_block_is_caught(page, cached_render):
             m = re.search(r"\d", lines[i])
             if m:
                 digit = m.group()
-                mutated = lines[:i] + [lines[i][:m.start()] + str((int(digit) + 1) % 10) + lines[i][m.end():]] + lines[i + 1:]
+                mutated = lines[:i] + [lines[i][:m.start()] + str((int(digit) + 1) % 10)
+                                       + lines[i][m.end():]] + lines[i + 1:]
                 _, changed = cached_render.render_page("\n".join(mutated))
                 assert {c[0] for c in changed} == stale | {start + 1}, f"{page}:{i + 1}: a changed digit went unnoticed"
                 break
