@@ -57,8 +57,8 @@ def main(argv=None):
 
     work = tempfile.mkdtemp(prefix="byhand-default-run-")
     cache = args.cache_dir or os.path.join(work, "cache")
-    flags = ["--cache-dir", cache, *args.extra.split()] + (["--steps", str(args.steps)]
-                                                           if args.steps is not None else [])
+    flags = ["--cache-dir", cache, *args.extra.split()]
+    flags += ["--steps", str(args.steps)] if args.steps is not None else []
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)

@@ -112,8 +112,8 @@ def naive_vs_exact(args):
     for name, micro, fn in (("exact", args.micro, optimized.gradcache_step), ("naive", args.micro, unified.naive_step)):
         model.zero_grad(set_to_none=True)
         stats = fn(model, make_batch(args, micro, device), 1e-4, 1e-4, None, scaler)
-        result[name] = (stats["rank_loss"], torch.cat([p.grad.flatten() for p in model.parameters()
-                                                       if p.grad is not None]))
+        grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        result[name] = (stats["rank_loss"], torch.cat(grads))
     (exact_loss, g_exact), (naive_loss, g_naive) = result["exact"], result["naive"]
     return {"negatives_per_query": {"exact": args.batch * (1 + args.negatives) - 1,
                                     "naive": args.micro * (1 + args.negatives) - 1},
@@ -155,16 +155,18 @@ def main(argv=None):
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     plain, cached = results["plain"], results["gradcache"]
     report = {
-        "device": args.device if args.device != "cpu"
-        else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "device": (args.device if args.device != "cpu"
+                   else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"),
         "model": {"vocab_size": args.vocab_size, "hidden_size": args.hidden_size, "num_layers": args.num_layers,
                   "n_params": plain.get("n_params")},
         "batch": {"effective": args.batch, "micro": args.micro, "negatives": args.negatives,
                   "query_length": args.query_length, "doc_length": args.doc_length},
         "configs": results,
-        "gradcache_step_vs_plain": cached["step_s"] / plain["step_s"] if "step_s" in cached and "step_s" in plain
-        else None, "gradcache_peak_vs_plain": cached["peak_bytes"] / plain["peak_bytes"] if "peak_bytes" in cached
-        and "peak_bytes" in plain else None, "naive_vs_exact": naive_vs_exact(args),
+        "gradcache_step_vs_plain": (cached["step_s"] / plain["step_s"]
+                                    if "step_s" in cached and "step_s" in plain else None),
+        "gradcache_peak_vs_plain": (cached["peak_bytes"] / plain["peak_bytes"]
+                                    if "peak_bytes" in cached and "peak_bytes" in plain else None),
+        "naive_vs_exact": naive_vs_exact(args),
         "encode_texts_per_s": encode_throughput(args),
     }
     report["targets_met"] = {"step <= 1.5x plain": report["gradcache_step_vs_plain"] is not None

@@ -170,8 +170,8 @@ def main(argv=None):
                    help="timing rounds per K (strategies take turns; the fastest counts)")
     p.add_argument("--glibc-default", action="store_true", help="leave glibc's malloc thresholds alone (see above)")
     p.add_argument("--batch", type=int, default=64, help="batch size")
-    p.add_argument("--strategies", nargs="+", default=["single_gpu", "chunked",
-                                                       "gradient_accumulation", "model_parallel"],
+    p.add_argument("--strategies", nargs="+",
+                   default=["single_gpu", "chunked", "gradient_accumulation", "model_parallel"],
                    help="strategies to run (model_parallel is launched with torchrun, --ranks CPU processes, gloo)")
     p.add_argument("--device", help="cuda, mps or cpu")
     args = p.parse_args(argv)

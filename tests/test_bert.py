@@ -223,8 +223,8 @@ def test_init_weights_and_tied_decoder():
 def test_gradient_checkpointing_gives_the_same_gradients(kind):
     torch.manual_seed(0)
     cfg = bert.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                          intermediate_size=128, max_position_embeddings=16, model_type=kind, type_vocab_size=0
-                          if kind == "distilbert" else 2)
+                          intermediate_size=128, max_position_embeddings=16, model_type=kind,
+                          type_vocab_size=0 if kind == "distilbert" else 2)
     model = bert.init_weights(bert.build_model(cfg)).train()
     ids = torch.randint(5, 120, (3, 10))
     mask = torch.ones_like(ids)
