@@ -91,7 +91,8 @@ def build_parser(description=None, out_dir=OUT_DIR):
     g = p.add_argument_group("model")
     g.add_argument("--model-name", "--init-from", dest="model_name",
                    help="a Hugging Face BERT/DistilBERT masked-LM (local directory or hub id, e.g. "
-                   "naver/splade_v2_distil); none given: learn a WordPiece vocabulary and train a small BERT from scratch")
+                   "naver/splade_v2_distil); none given: learn a WordPiece vocabulary and train a small BERT "
+                   "from scratch")
     g.add_argument("--cache-dir", default=stdlib_data.default_cache_dir(), help="where hub downloads are kept")
     g.add_argument("--vocab-size", type=guards.positive_int, default=8192,
                    help="from scratch: WordPiece entries to learn")
