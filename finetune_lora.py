@@ -47,7 +47,8 @@ RUN = rundir.Spec(saved=finetune.SAVED, optional=finetune.OPTIONAL, written=fine
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)  # a bad value ends here: one usage line, exit 2
-    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    if argv is None:
         devices.steady_cpu_heap()
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))

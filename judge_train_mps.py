@@ -96,7 +96,8 @@ def build_parser(script=SCRIPT, description=None, defaults=DEFAULTS):
     p.add_argument("--output_dir", "--output-dir", "--out-dir", default=f"out/{script}",
                    help="where the best adapter (PEFT layout), tokenizer, training state, metrics.jsonl and "
                    "test_predictions.json go")
-    p.add_argument("--skip_eval", "--skip-eval", action="store_true", help="skip the test-set evaluation after training")
+    p.add_argument("--skip_eval", "--skip-eval", action="store_true",
+                   help="skip the test-set evaluation after training")
     p.add_argument("--adapter", default=None,
                    help="start from this LoRA adapter directory (either script's); with --epochs 0 just evaluate it")
     p.add_argument("--lora_r", "--lora-r", type=guards.positive_int, default=None,
@@ -175,9 +176,6 @@ def main(argv=None):
         return run(args, parser, argv)
     except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
         report_and_exit(e)
-    except KeyboardInterrupt:  # before the training loop, which saves and exits 130 itself
-        print("\ninterrupted before training started; nothing was saved", file=sys.stderr)
-        sys.exit(130)
 
 
 # --- 1b. the recipe: where and in what precision this script trains ----------------------------------
@@ -242,7 +240,8 @@ EN_PT = [("the", "o"), ("a", "um"), ("cat", "gato"), ("dog", "cão"), ("house", 
          ("door", "porta"), ("table", "mesa"), ("milk", "leite"), ("runs", "corre"), ("reads", "lê")]
 SENTENCE_WORDS = 10
 SPLIT_SIZES = {"train": 1200, "val": 100, "test": 100}
-PROMPT = "Grade this English to Portuguese translation.\nSource: {source}\nTranslation: {candidate}\nReference: {reference}"
+PROMPT = ("Grade this English to Portuguese translation.\n"
+          "Source: {source}\nTranslation: {candidate}\nReference: {reference}")
 
 
 def judge_example(rng: random.Random, score_fn=None) -> dict:
@@ -338,7 +337,8 @@ def read_split(path: str) -> list:
             if not isinstance(m, dict):
                 raise UserError(f"{where}: messages[{j}] must be an object with 'role' and 'content'")
             if m.get("role") not in ("system", "user", "assistant"):
-                raise UserError(f"{where}: field messages[{j}].role is {m.get('role')!r}; use system, user or assistant")
+                raise UserError(f"{where}: field messages[{j}].role is {m.get('role')!r}; use system, user or "
+                                "assistant")
             if not isinstance(m.get("content"), str):
                 raise UserError(f"{where}: field messages[{j}].content must be a string")
         last = len(msgs) - 1
@@ -512,7 +512,8 @@ def estimate_memory(cfg, batch_size: int, seq_len: int, device_type: str, base: 
     generation: (rows, positions) of the greedy test evaluation, whose keys and values of every layer
     stay in the KV cache while the answers grow (plus one layer's repeated to every query head, and the
     copy a concatenation makes); it counts where it needs more than a training step.
-    runtime: what the process holds besides (on a CPU: measured, see runtime_bytes); by default the
+    runtime: what the process holds besides (on a CPU: measured before the model is loaded, with Python,
+    torch, the tokenizer and the data: lib/memory.cpu_runtime_bytes); by default the
     device's RUNTIME_BASELINE (lib/memory.runtime_terms).
     heap_threshold: on a CPU, the activations in blocks under it come from glibc's heap, which keeps up
     to a step's worth of them (lib/memory.cpu_heap_kept_bytes).
@@ -586,15 +587,8 @@ def estimate_for(cfg, recipe: Recipe, args, r: int, train_enc: list, val_enc: li
         prompt = max((len(ids) for ids in test_prompts), default=args.max_seq_length)
         generation = (min(16, len(test_prompts) or args.test_samples or 16), prompt + args.max_new_tokens)
     return estimate_memory(cfg, rows, longest, recipe.device.type, recipe.base, 4 if recipe.amp is None else 2, r,
-                           recipe.optimizer, recipe.checkpointing, generation, runtime_bytes(recipe.device),
+                           recipe.optimizer, recipe.checkpointing, generation, cpu_runtime_bytes(recipe.device.type),
                            recipe.cpu_heap_threshold)
-
-
-def runtime_bytes(device):
-    """On a CPU the peak RSS counts everything the process holds, so what it holds before the model is
-    loaded (Python, torch, the tokenizer, the data) is measured rather than assumed. torch's optimizers
-    import torch._dynamo (and sympy) on first use, about 70 MiB: it is imported first, so it counts."""
-    return cpu_runtime_bytes(device.type)
 
 
 def print_estimate(args, recipe: Recipe, train_set, val_set, test_set, log=print) -> dict:
@@ -948,7 +942,8 @@ def run(args, parser=None, argv=None, spec: rundir.Spec = RUN, defaults=DEFAULTS
     run_dir = rundir.prepare(args, parser, argv, spec, writes=not args.estimate_memory)
     resolve_defaults(args, defaults)
     recipe = recipe_for(args)
-    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    if argv is None:
         devices.steady_cpu_heap(recipe.cpu_heap_threshold)
     threads = torch.get_num_threads()
     if args.model == TINY and recipe.device.type == "cpu":

@@ -106,8 +106,8 @@ RUN = rundir.Spec(
            "batch_size"),
     # grad_accum may change on --resume only with the world size, keeping batch x grad_accum x world the same
     # (resume_global_batch): that product, the global batch, is what the run is.
-    changeable=("grad_accum", "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "compile",
+    changeable=("grad_accum", "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2",
+                "grad_clip", "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "compile",
                 "sample_tokens", "prompt", "temperature", "top_k", "peak_flops"),
     data=("data",),
 )
@@ -116,7 +116,8 @@ RUN = rundir.Spec(
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)
-    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    if argv is None:
         devices.steady_cpu_heap()
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))

@@ -180,10 +180,10 @@ RUN = rundir.Spec(
            "batch_size"),
     # grad_accum may change only with the number of ranks, so that batch x grad_accum x world, the global batch, stays
     # the run's (train.resume_global_batch).
-    changeable=("grad_accum", "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2", "grad_clip",
-                "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype", "reshard_after_forward",
-                "cpu_offload", "activation_checkpointing", "export", "sample_tokens", "prompt", "temperature",
-                "top_k", "peak_flops"),
+    changeable=("grad_accum", "steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "beta1", "beta2",
+                "grad_clip", "eval_interval", "eval_batches", "save_interval", "log_interval", "dtype",
+                "reshard_after_forward", "cpu_offload", "activation_checkpointing", "export", "sample_tokens", "prompt",
+                "temperature", "top_k", "peak_flops"),
     data=("data",),
 )
 
@@ -203,7 +203,8 @@ def check_args(args):
 def main(argv=None):
     parser = make_parser()
     args = parser.parse_args(argv)
-    if argv is None:  # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    # a command-line run: the heap gives back what it frees, so the peak is the tensors (lib/memory.py)
+    if argv is None:
         devices.steady_cpu_heap()
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))

@@ -2,7 +2,7 @@
 
     python train_splade_optimized.py --train-file data/training.json --output-dir out/splade \\
         --device cpu --force-device --batch-size 2 --gradient-accumulation-steps 8 --memory-efficient --memory-tracking
-    python train_splade_optimized.py --batch-size 4 --gradient-accumulation-steps 4   # the stdlib demo, batch 16 exactly
+    python train_splade_optimized.py --batch-size 4 --gradient-accumulation-steps 4  # the stdlib demo, batch 16
 
 Everything else (data, model, the SPLADE loss, validation, saving, search) is train_splade_unified.py's,
 imported, not copied. What this file adds, in reading order:
@@ -262,7 +262,8 @@ def memory_advice(args, device):
 def run(args, run_dir):
     device = choose_device(args.device, args.force_device)
     amp = choose_amp(device, args)
-    offload = args.memory_efficient and device.type != "cpu" and amp != torch.float16  # GradScaler needs the real optimizer
+    # GradScaler needs the real optimizer
+    offload = args.memory_efficient and device.type != "cpu" and amp != torch.float16
     variant = unified.Variant(
         device=device,
         amp=amp,

@@ -1,6 +1,6 @@
 """Train a SPLADE sparse retriever: a BERT masked-LM whose vocabulary logits become weighted terms.
 
-    python train_splade_unified.py                                  # offline demo: stdlib docstring -> code, CPU, minutes
+    python train_splade_unified.py              # offline demo: stdlib docstring -> code, CPU, minutes
     python train_splade_unified.py --train-file data/training.json --val-file data/val.json \\
         --model-name naver/splade-cocondenser-ensembledistil --output-dir out/splade
     python train_splade_unified.py --search out/splade --query "how do I parse a date"
@@ -82,20 +82,25 @@ def build_parser(description=None, out_dir=OUT_DIR):
     g.add_argument("--val-file", help="same format; its documents form the retrieval pool for MRR@10 and recall"
                    "; none given: the stdlib set's held-out modules (none with --train-file)")
     g.add_argument("--max-length", type=guards.positive_int, default=64,
-                   help="documents are cut to this many tokens (64 keeps the CPU demo in minutes; 256 or more for real text)")
-    g.add_argument("--max-query-length", type=guards.positive_int, default=32, help="queries are cut to this many tokens")
+                   help="documents are cut to this many tokens (64 keeps the CPU demo in minutes; 256 or more for real "
+                        "text)")
+    g.add_argument("--max-query-length", type=guards.positive_int, default=32,
+                   help="queries are cut to this many tokens")
     g.add_argument("--negatives-per-query", type=guards.nonneg_int, default=1,
                    help="hard negatives drawn per query and step from its negative_documents (0: in-batch only)")
     g = p.add_argument_group("model")
     g.add_argument("--model-name", "--init-from", dest="model_name",
-                   help="a Hugging Face BERT/DistilBERT masked-LM (local directory or hub id, e.g. naver/splade_v2_distil); "
-                   "none given: learn a WordPiece vocabulary and train a small BERT from scratch")
+                   help="a Hugging Face BERT/DistilBERT masked-LM (local directory or hub id, e.g. "
+                   "naver/splade_v2_distil); none given: learn a WordPiece vocabulary and train a small BERT "
+                   "from scratch")
     g.add_argument("--cache-dir", default=stdlib_data.default_cache_dir(), help="where hub downloads are kept")
-    g.add_argument("--vocab-size", type=guards.positive_int, default=8192, help="from scratch: WordPiece entries to learn")
+    g.add_argument("--vocab-size", type=guards.positive_int, default=8192,
+                   help="from scratch: WordPiece entries to learn")
     g.add_argument("--hidden-size", type=guards.positive_int, default=128, help="from scratch: model width")
     g.add_argument("--num-layers", type=guards.positive_int, default=2, help="from scratch: transformer layers")
     g.add_argument("--num-heads", type=guards.positive_int, default=2, help="from scratch: attention heads")
-    g.add_argument("--dropout", type=guards.probability, help="dropout inside the encoder; none given: the checkpoint's, 0.1 from scratch")
+    g.add_argument("--dropout", type=guards.probability,
+                   help="dropout inside the encoder; none given: the checkpoint's, 0.1 from scratch")
     g = p.add_argument_group("optimisation")
     g.add_argument("--learning-rate", "--lr", dest="lr", type=guards.positive_float,
                    help="peak learning rate; none given: 5e-5 for a checkpoint, 1e-3 from scratch")
@@ -116,14 +121,16 @@ def build_parser(description=None, out_dir=OUT_DIR):
     g.add_argument("--early-stopping", action="store_true", help="stop when the monitored metric stops improving")
     g.add_argument("--early-stopping-patience", type=guards.positive_int, default=3,
                    help="validations without improvement before stopping")
-    g.add_argument("--early-stopping-min-delta", type=guards.nonneg_float, default=1e-4, help="smallest improvement that counts")
+    g.add_argument("--early-stopping-min-delta", type=guards.nonneg_float, default=1e-4,
+                   help="smallest improvement that counts")
     g.add_argument("--early-stopping-monitor", default="mrr@10", choices=METRICS,
                    help="validation metric for early stopping and the best model")
     g.add_argument("--save-best-only", action="store_true",
                    help="OUT keeps only the best validated model (a later, worse epoch is not saved)")
     g.add_argument("--eval-batch-size", type=guards.positive_int, default=64, help="texts per batch when encoding")
     g = p.add_argument_group("run")
-    g.add_argument("--device", choices=["cuda", "mps", "cpu"], help="where to train; none given: cuda, then mps, then cpu")
+    g.add_argument("--device", choices=["cuda", "mps", "cpu"],
+                   help="where to train; none given: cuda, then mps, then cpu")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"],
                    help="autocast dtype; auto = bf16 on CUDA (fp16 + GradScaler without bf16) and on a CPU with native "
                    "bf16 (AVX512-BF16 or AMX), else fp32")
@@ -338,8 +345,8 @@ def read_examples(path, flag, need_negatives, log=print):
             texts.append(neg)
         if need_negatives and not texts:
             raise UserError(f"{at}, field 'negative_documents': no negatives, but --negatives-per-query "
-                            f"{need_negatives} needs at least one per record; add some, or pass --negatives-per-query 0 "
-                            f"(in-batch negatives only)")
+                            f"{need_negatives} needs at least one per record; add some, or pass --negatives-per-query "
+                            f"0 (in-batch negatives only)")
         examples.append(Example(rec["query"], rec["positive_document"], texts))
     return examples
 
@@ -524,7 +531,8 @@ def splade_loss(q_reps, d_reps, lam_q, lam_d, positives=None):
     q_flops, d_flops = flops(q_reps), flops(d_reps)
     loss = rank + lam_q * q_flops + lam_d * d_flops
     stats = {"rank_loss": rank.detach(), "q_flops": q_flops.detach(), "d_flops": d_flops.detach(),
-             "q_terms": (q_reps > 0).sum(1).float().mean().detach(), "d_terms": (d_reps > 0).sum(1).float().mean().detach()}
+             "q_terms": (q_reps > 0).sum(1).float().mean().detach(),
+             "d_terms": (d_reps > 0).sum(1).float().mean().detach()}
     return loss, stats
 
 
@@ -770,7 +778,8 @@ def estimate_memory(cfg, n_params, batch_size, k, q_len, d_len, device_type, amp
     estimate = {
         "parameters (fp32)": n_params * 4,
         "gradients (fp32)": n_params * 4,
-        "AdamW moments (2 x fp32)" + (" on the CPU" if optimizer_on_cpu else ""): 0 if optimizer_on_cpu else n_params * 8,
+        "AdamW moments (2 x fp32)" + (" on the CPU" if optimizer_on_cpu else ""):
+            0 if optimizer_on_cpu else n_params * 8,
         "encoder activations": act + tokens * cfg.hidden_size * 4 * 3,
         "MLM logits + gradient": tokens * cfg.vocab_size * (12 if not amp else 2 + 4 + 4 + 4),
     }
@@ -955,7 +964,8 @@ def run(args, run_dir, variant=None):
         variant.prepare_model(model)
 
     # --- optimiser ---------------------------------------------------------------------------------
-    make = variant.make_optimizer or (lambda params, lr, wd, dev: optim.make_adamw(params, lr, wd, (0.9, 0.999), dev.type))
+    make = variant.make_optimizer or (
+        lambda params, lr, wd, dev: optim.make_adamw(params, lr, wd, (0.9, 0.999), dev.type))
     optimizer = make(list(model.parameters()), args.lr, args.weight_decay, device)
     # fp16 gradients underflow; the scaler multiplies the loss up and divides the gradients back.
     scaler = torch.amp.GradScaler(device.type, enabled=amp == torch.float16)
@@ -981,8 +991,8 @@ def run(args, run_dir, variant=None):
     def save(step):
         """The model (Hugging Face layout), then what --resume needs; step = the next step to run."""
         save_model(out, model, cfg, tokenizer, step, updates.last_saved)
-        rundir.save_state(run_dir, args, {"step": step, "optimizer": optimizer.state_dict(), "run": json.dumps(progress),
-                                          **devices.rng_states()})
+        rundir.save_state(run_dir, args, {"step": step, "optimizer": optimizer.state_dict(),
+                                          "run": json.dumps(progress), **devices.rng_states()})
         updates.saved(step)
 
     def validate(step):
@@ -1049,7 +1059,8 @@ def run(args, run_dir, variant=None):
                 stopped_early = validate(next_step)
             # No checkpoint in the middle of a run of skipped updates: it may be a divergence starting,
             # and the last good checkpoint must stay the one --resume finds.
-            due = (end_of_epoch and next_step < total_steps) or (args.save_interval and next_step % args.save_interval == 0)
+            due = ((end_of_epoch and next_step < total_steps)
+                   or (args.save_interval and next_step % args.save_interval == 0))
             if due and not args.save_best_only and updates.in_a_row == 0:
                 save(next_step)
             if stopped_early:
@@ -1095,7 +1106,9 @@ def run(args, run_dir, variant=None):
         log(f"  (of the measured peak, {metrics.format_bytes(resident_before)} was resident before training started: "
             f"Python, torch, the model, the data and what tokenising it left)")
     first = progress["first_metrics"]
-    final = last["metrics"] if last["step"] == step else (evaluate(model, tokenizer, val_data, args, amp)[0] if val_data else None)
+    final = last["metrics"] if last["step"] == step else None
+    if last["step"] != step and val_data:
+        final = evaluate(model, tokenizer, val_data, args, amp)[0]
     if final:
         log(f"val {args.early_stopping_monitor}: {first[args.early_stopping_monitor]:.4f} before training, "
             f"{final[args.early_stopping_monitor]:.4f} now"

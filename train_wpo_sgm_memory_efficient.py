@@ -66,7 +66,8 @@ def build_parser():
     g = p.add_argument_group("data")
     g.add_argument("--data", default="8gaussians", choices=TOY_DATA + ["cifar10"],
                    help="a toy set generated from --seed, or CIFAR-10 (binary version) from --data-dir")
-    g.add_argument("--data-dir", "--data_dir", dest="data_dir", help="cifar-10-batches-bin: data_batch_N.bin and test_batch.bin")
+    g.add_argument("--data-dir", "--data_dir", dest="data_dir",
+                   help="cifar-10-batches-bin: data_batch_N.bin and test_batch.bin")
     g.add_argument("--image-size", "--image_size", dest="image_size", type=int, default=32, choices=[32, 16, 8],
                    help="CIFAR-10 images average-pooled to this side (D = 3 x side^2): 8 makes CIFAR fit a CPU")
     g.add_argument("--train_samples_size", "--train-samples-size", dest="train_samples_size", type=guards.positive_int,
@@ -82,7 +83,8 @@ def build_parser():
     g.add_argument("--stability", type=guards.positive_float, default=0.01,
                    help="eps in P = L L^T + eps I: every precision eigenvalue is at least eps")
     g = p.add_argument_group("optimisation")
-    g.add_argument("--niters", "--steps", dest="niters", type=guards.nonneg_int, default=600, help="optimizer steps in total")
+    g.add_argument("--niters", "--steps", dest="niters", type=guards.nonneg_int, default=600,
+                   help="optimizer steps in total")
     g.add_argument("--batch_size", "--batch-size", dest="batch_size", type=guards.positive_int, default=128,
                    help="training samples per step")
     g.add_argument("--lr", type=guards.positive_float, default=3e-3, help="peak learning rate")
@@ -105,7 +107,8 @@ def build_parser():
                    help="print the predicted memory breakdown (same table as --dry-run) and exit")
     g = p.add_argument_group("run")
     g.add_argument("--device", help="cuda, mps or cpu (default: the first available, in that order)")
-    g.add_argument("--seed", type=guards.nonneg_int, default=0, help="seeds the data, the initial weights and the batches")
+    g.add_argument("--seed", type=guards.nonneg_int, default=0,
+                   help="seeds the data, the initial weights and the batches")
     g.add_argument("--save", "--out-dir", dest="out_dir", default=f"out/{SCRIPT}",
                    help="config.json, model.safetensors, training state, metrics.jsonl, samples and picture")
     g.add_argument("--resume", action="store_true", help="continue the run saved in --out-dir")
@@ -446,7 +449,8 @@ def runtime_baseline(device):
 def largest_chunk(shape, plan, budget, baseline):
     """The largest chunk size whose estimate fits the budget (the estimate is linear in it), or 0."""
     def total(c):
-        return sum(estimate_memory(shape, Plan(plan.strategy, c, plan.accumulation_steps, plan.world_size), baseline).values())
+        chunked = Plan(plan.strategy, c, plan.accumulation_steps, plan.world_size)
+        return sum(estimate_memory(shape, chunked, baseline).values())
     local = -(-shape.centres // plan.world_size)
     if total(1) > budget:
         return 0
@@ -475,7 +479,8 @@ def choose_plan(args, shape, world_size, available, baseline):
             plan.reason = f"{world_size} ranks: each takes 1/{world_size} of the centres, and that fits ({have})"
         else:
             plan.chunk_size = max(1, largest_chunk(shape, plan, budget, baseline))
-            plan.reason = f"{world_size} ranks split the centres; a rank's share does not fit at once ({have}), so each chunks it"
+            plan.reason = (f"{world_size} ranks split the centres; a rank's share does not fit at once ({have}), "
+                           "so each chunks it")
         return plan
     single = Plan("single_gpu", args.chunk_size if args.chunk_size else None)
     if args.chunk_size is None and fits(single):
@@ -496,7 +501,8 @@ def choose_plan(args, shape, world_size, available, baseline):
             plan.reason = (f"even one centre at a time does not fit for the whole batch ({have}); "
                            f"{steps} micro-batches of {-(-shape.batch // steps)}, {chunk} centres per chunk")
             return plan
-    return Plan("chunked", 1, 1, 1, f"nothing fits within {FREE_FRACTION:.0%} of the {have}; the smallest plan is shown")
+    return Plan("chunked", 1, 1, 1,
+                f"nothing fits within {FREE_FRACTION:.0%} of the {have}; the smallest plan is shown")
 
 
 def print_plan(shape, plan, baseline, world, device_text, log):
@@ -611,10 +617,11 @@ def check_cifar_dir(data_dir):
         raise UserError(f"--data-dir {data_dir} is not a directory; {CIFAR_HINT}")
     present = [f for f in CIFAR_TRAIN_FILES if os.path.isfile(os.path.join(data_dir, f))]
     if not present:
-        pickled = [f for f in ("data_batch_1", "batches.meta", "cifar-10-batches-py") if os.path.exists(os.path.join(data_dir, f))]
+        pickled = [f for f in ("data_batch_1", "batches.meta", "cifar-10-batches-py")
+                   if os.path.exists(os.path.join(data_dir, f))]
         if pickled:
-            raise UserError(f"--data-dir {data_dir} holds the Python (pickle) version of CIFAR-10 ({pickled[0]}), which "
-                            f"this script never reads because unpickling a file can run code; {CIFAR_HINT}")
+            raise UserError(f"--data-dir {data_dir} holds the Python (pickle) version of CIFAR-10 ({pickled[0]}), "
+                            f"which this script never reads because unpickling a file can run code; {CIFAR_HINT}")
         raise UserError(f"--data-dir {data_dir} has none of {', '.join(CIFAR_TRAIN_FILES)}; {CIFAR_HINT}")
     return present
 
@@ -626,9 +633,9 @@ def read_cifar_file(path, limit=None):
         raise UserError(f"{path} is empty; download it again ({CIFAR_HINT})")
     if size % CIFAR_RECORD:
         n = size // CIFAR_RECORD
-        raise UserError(f"{path}, record {n}: the file ends {size % CIFAR_RECORD} bytes into it, a CIFAR-10 binary record "
-                        f"is {CIFAR_RECORD} bytes (1 label + 3072 pixels); the file is truncated or not CIFAR-10, "
-                        f"download it again ({CIFAR_HINT})")
+        raise UserError(f"{path}, record {n}: the file ends {size % CIFAR_RECORD} bytes into it, a CIFAR-10 binary "
+                        f"record is {CIFAR_RECORD} bytes (1 label + 3072 pixels); the file is truncated or not "
+                        f"CIFAR-10, download it again ({CIFAR_HINT})")
     n = size // CIFAR_RECORD if limit is None else min(limit, size // CIFAR_RECORD)
     records = np.fromfile(path, dtype=np.uint8, count=n * CIFAR_RECORD).reshape(n, CIFAR_RECORD)
     labels = records[:, 0]
@@ -665,7 +672,8 @@ def load_cifar(data_dir, n_train, n_test, side, log):
     if n_test and os.path.isfile(test_path):
         test = pool_images(read_cifar_file(test_path, n_test)[0], side)
     log(f"data: CIFAR-10 from {data_dir}: {len(train)} training images from {', '.join(read)}"
-        + (f", {len(test)} test images from test_batch.bin" if test is not None else ", no test_batch.bin (no test loss)")
+        + (f", {len(test)} test images from test_batch.bin" if test is not None
+           else ", no test_batch.bin (no test loss)")
         + ("" if len(train) >= n_train else f" (fewer than --train_samples_size {n_train}: that is all there is)"))
     return train, test
 
@@ -679,7 +687,9 @@ def load_data(args, log):
     if args.data == "cifar10":
         return load_cifar(args.data_dir, args.train_samples_size, args.test_samples_size, args.image_size, log)
     train = toy_data(args.data, args.train_samples_size, np.random.default_rng(args.seed))
-    test = toy_data(args.data, args.test_samples_size, np.random.default_rng(args.seed + 1)) if args.test_samples_size else None
+    test = None
+    if args.test_samples_size:
+        test = toy_data(args.data, args.test_samples_size, np.random.default_rng(args.seed + 1))
     log(f"data: {args.data}, {len(train)} training and {0 if test is None else len(test)} test samples "
         f"generated from seed {args.seed} (D = {train.shape[1]})")
     return train, test
@@ -763,7 +773,8 @@ def test_loss(factornet, test_x, centres, eps, plan, batch_size, log):
     progress = Progress("test loss", len(test_x), "samples", log)
     for start in range(0, len(test_x), batch_size):
         xb = test_x[start:start + batch_size]
-        total += score_matching_loss(factornet, xb, centres, eps, plan.chunk_size or 256, model_parallel=mp).item() * len(xb)
+        loss = score_matching_loss(factornet, xb, centres, eps, plan.chunk_size or 256, model_parallel=mp)
+        total += loss.item() * len(xb)
         progress(start + len(xb))
     return total / len(test_x)
 
@@ -816,12 +827,13 @@ def check_args(args, world):
     if args.data == "cifar10":
         check_cifar_dir(args.data_dir)
     elif args.data_dir:
-        raise UserError(f"--data-dir is for --data cifar10, not --data {args.data} (toy sets are generated); drop --data-dir")
+        raise UserError(f"--data-dir is for --data cifar10, not --data {args.data} (toy sets are generated); drop "
+                        "--data-dir")
     if args.seed >= 2**32:
         raise UserError(f"--seed {args.seed} is too large; use a seed from 0 to {2**32 - 1}")
     if world > 1 and args.strategy not in ("auto", "model_parallel"):
-        raise UserError(f"--strategy {args.strategy} under torchrun ({world} ranks) would repeat the same work on every "
-                        f"rank; use --strategy model_parallel (or auto), or launch with plain python")
+        raise UserError(f"--strategy {args.strategy} under torchrun ({world} ranks) would repeat the same work on "
+                        f"every rank; use --strategy model_parallel (or auto), or launch with plain python")
     if world == 1 and args.strategy == "model_parallel":
         raise UserError("--strategy model_parallel splits the centres across torchrun ranks; launch with "
                         "torchrun --standalone --nproc_per_node=N, or use --strategy chunked on one device")
@@ -829,7 +841,8 @@ def check_args(args, world):
         raise UserError(f"--train_kernel_size {args.train_kernel_size} exceeds --train_samples_size "
                         f"{args.train_samples_size}: the centres are the first K training samples; lower K or raise N")
     if args.train_kernel_size < world:
-        raise UserError(f"--train_kernel_size {args.train_kernel_size} is fewer than the {world} ranks; use at least {world} centres")
+        raise UserError(f"--train_kernel_size {args.train_kernel_size} is fewer than the {world} ranks; use at least "
+                        f"{world} centres")
     if args.strategy == "gradient_accumulation" and (args.accumulation_steps or 4) > args.batch_size:
         raise UserError(f"--accumulation_steps {args.accumulation_steps or 4} exceeds --batch_size {args.batch_size}; "
                         f"a micro-batch needs at least one sample")
@@ -855,10 +868,12 @@ def run(args, parser, argv):
     plan = choose_plan(args, shape, world, available, baseline)
     estimate = estimate_memory(shape, plan, baseline)
     if planning_only:
-        print_plan(shape, plan, baseline, world, f"{device} ({metrics.format_bytes(available) if available else 'unknown'} "
+        print_plan(shape, plan, baseline, world,
+                   f"{device} ({metrics.format_bytes(available) if available else 'unknown'} "
                                                  f"{what})", log)
         return {"plan": plan, "estimate": estimate}
-    log(f"plan: {describe_plan(plan, shape)} ({plan.reason}); predicted peak {metrics.format_bytes(sum(estimate.values()))}")
+    log(f"plan: {describe_plan(plan, shape)} ({plan.reason}); predicted peak "
+        f"{metrics.format_bytes(sum(estimate.values()))}")
     guards.check_memory(sum(estimate.values()), device, args.force,
                         "lower --chunk_size or --batch_size, use --strategy chunked or more ranks")
 
@@ -874,12 +889,15 @@ def run(args, parser, argv):
     # --- data ---------------------------------------------------------------------------------------
     train_np, test_np = load_data(args, log)
     if len(train_np) < args.train_kernel_size:
-        raise UserError(f"--train_kernel_size {args.train_kernel_size} exceeds the {len(train_np)} training images found; lower it")
+        raise UserError(f"--train_kernel_size {args.train_kernel_size} exceeds the {len(train_np)} training images "
+                        "found; lower it")
     train_x = torch.from_numpy(train_np).to(device)
     test_x = None if test_np is None else torch.from_numpy(test_np).to(device)
     centres = train_x[: args.train_kernel_size]  # the first K training samples, as in the original
     # model_parallel: this rank's slice of the centres; every rank still sees every sample.
-    local_centres = centres.tensor_split(dist_info.world_size)[dist_info.rank] if plan.strategy == "model_parallel" else centres
+    local_centres = centres
+    if plan.strategy == "model_parallel":
+        local_centres = centres.tensor_split(dist_info.world_size)[dist_info.rank]
 
     # --- model ----------------------------------------------------------------------------------------
     devices.reset_peak_memory(device)  # count training, not reading the data

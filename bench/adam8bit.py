@@ -168,7 +168,8 @@ def render_drift(path="bench/results/adam8bit.json"):
     lines = [f"{d['model']}, {d['parameters']:,} parameters, batch {d['batch']}, lr {d['lr']:g}, "
              f"weight decay {d['weight_decay']:g}; {d['task']}.", "",
              "| step | loss, fp32 AdamW | loss, 8-bit AdamW | weights apart / distance fp32 moved "
-             "| the same for fp32 from a start 1e-6 apart | rounding error of m (one step) | rounding error of v (one step) |",
+             "| the same for fp32 from a start 1e-6 apart | rounding error of m (one step) | rounding error of v (one "
+             "step) |",
              "|---:|---:|---:|---:|---:|---:|---:|"]
     for r in d["rows"]:
         lines.append(f"| {r['step']:,} | {r['loss_fp32']:.4g} | {r['loss_8bit']:.4g} | "
@@ -183,7 +184,8 @@ def render_speed(path="bench/results/adam8bit.json"):
     s = report["speed"]
     lines = [f"One step over N parameters in one tensor, median of {s['repeats']} steps after a warm-up, "
              f"{s['threads']} threads; wall time (CPU time: user + sys, summed over threads).", "",
-             "| N | fused AdamW | foreach AdamW | 8-bit AdamW | 8-bit / fused | state bytes per parameter (fp32 / 8-bit) |",
+             "| N | fused AdamW | foreach AdamW | 8-bit AdamW | 8-bit / fused | state bytes per parameter (fp32 / "
+             "8-bit) |",
              "|---:|---:|---:|---:|---:|---:|"]
     for r in s["rows"]:
         cell = lambda k: f"{r[k]['step_ms']:.1f} ms ({r[k]['cpu_ms']:.0f} ms CPU)"  # noqa: E731

@@ -16,7 +16,8 @@ on CPU the peak RSS during the first forward + backward minus the RSS just befor
 exist already); on CUDA the max allocated bytes over those allocated before. With a trained head the
 chunked loss's peak includes the [vocab, hidden] weight gradient (made in forward), which any loss
 needs; "own_peak_vs_full" takes it out of the chunked peak and compares with the full loss's whole
-peak (whose logits are freed before its weight gradient is made). Time: the best of --repeats forward + backward after that first one, wall ("fwd_bwd_s") and
+peak (whose logits are freed before its weight gradient is made). Time: the best of --repeats
+forward + backward after that first one, wall ("fwd_bwd_s") and
 CPU ("cpu_s", user + system of the process, less disturbed by other work on a busy machine). The
 target: at vocabulary 151,936 the chunked peak at most 1/4 of the full one. On a busy machine
 the times are "loaded"; the peaks still hold.
@@ -77,7 +78,8 @@ def measure(args):
             torch.cuda.synchronize()
 
     # Warm up on small tensors, so one-time costs (thread pools, the autograd engine) are not counted.
-    small = (torch.randn(8, c, device=device, requires_grad=True), torch.randn(16, c, device=device, requires_grad=True))
+    small = (torch.randn(8, c, device=device, requires_grad=True),
+             torch.randn(16, c, device=device, requires_grad=True))
     with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
         F.cross_entropy(F.linear(small[0], small[1]).float(), targets[:8] % 16).backward()
         lm_loss.linear_cross_entropy(small[0], small[1], targets[:8] % 16).backward()
@@ -114,7 +116,8 @@ def measure(args):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--vocab", type=int, nargs="*", default=[50257, 151936])
     p.add_argument("--tokens", nargs="*", default=["8x128", "2x512"], help="batch x sequence")
     p.add_argument("--hidden", type=int, default=768)
@@ -138,9 +141,10 @@ def main(argv=None):
         for tokens in args.tokens:
             for head in args.heads:
                 for variant in args.variants:
-                    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(vocab), tokens, "--variant", variant,
-                           "--head", head, "--hidden", str(args.hidden), "--device", args.device, "--dtype", args.dtype,
-                           "--repeats", str(args.repeats)] + (["--chunk-size", str(args.chunk_size)] if args.chunk_size else [])
+                    cmd = [sys.executable, os.path.abspath(__file__), "--child", str(vocab), tokens, "--variant",
+                           variant, "--head", head, "--hidden", str(args.hidden), "--device", args.device, "--dtype",
+                           args.dtype, "--repeats", str(args.repeats)] + (["--chunk-size", str(args.chunk_size)]
+                                                                          if args.chunk_size else [])
                     out = subprocess.run(cmd, capture_output=True, text=True)
                     if out.returncode:
                         sys.exit(f"{vocab} {tokens} {head} {variant} failed:\n{out.stderr[-3000:]}")
@@ -149,7 +153,8 @@ def main(argv=None):
     ratios = {}
     for r in rows:
         if r["variant"] != "full":
-            full = next((f for f in rows if f["variant"] == "full" and all(f[k] == r[k] for k in ("vocab", "tokens", "head"))), None)
+            full = next((f for f in rows if f["variant"] == "full"
+                         and all(f[k] == r[k] for k in ("vocab", "tokens", "head"))), None)
             if full:
                 ratios[f'{r["vocab"]} {r["tokens"]} {r["head"]} {r["variant"]}'] = {
                     "peak_vs_full": round(r["peak_added_mib"] / full["peak_added_mib"], 3),
@@ -158,7 +163,8 @@ def main(argv=None):
                     "cpu_vs_full": round(r["cpu_s"] / full["cpu_s"], 3) if full["cpu_s"] else None}
     # The target: the loss's own memory (beyond the weight gradient, which the head needs whichever
     # way its loss is computed) at most a quarter of the full loss's, at 151,936.
-    big = [v["own_peak_vs_full"] <= 0.25 for k, v in ratios.items() if k.startswith("151936") and k.endswith(" chunked")]
+    big = [v["own_peak_vs_full"] <= 0.25 for k, v in ratios.items() if k.startswith("151936")
+           and k.endswith(" chunked")]
     report = {"bench": "big_vocab_loss", "device": args.device, "dtype": args.dtype, "hidden": args.hidden,
               "cpu_count": os.cpu_count(), "load_avg_1m_at_end": os.getloadavg()[0], "rows": rows, "ratios": ratios,
               "target_chunked_peak_at_most_quarter_of_full_at_151936": all(big) if big else None}

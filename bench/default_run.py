@@ -44,7 +44,8 @@ def run_once(checkout, flags, out_dir, env):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("before", help="checkout of the code before (e.g. main at 7ae2391)")
     p.add_argument("after", help="checkout of the code after")
     p.add_argument("--steps", type=int, help="train.py --steps (default: train.py's own, the whole default run)")
@@ -56,12 +57,14 @@ def main(argv=None):
 
     work = tempfile.mkdtemp(prefix="byhand-default-run-")
     cache = args.cache_dir or os.path.join(work, "cache")
-    flags = ["--cache-dir", cache, *args.extra.split()] + (["--steps", str(args.steps)] if args.steps is not None else [])
+    flags = ["--cache-dir", cache, *args.extra.split()]
+    flags += ["--steps", str(args.steps)] if args.steps is not None else []
     env = dict(os.environ)
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
     # Untimed: tokenise the corpus into the shared cache (one step, no sample).
-    run_once(args.after, ["--cache-dir", cache, "--steps", "1", "--sample-tokens", "0"], os.path.join(work, "prep"), env)
+    run_once(args.after, ["--cache-dir", cache, "--steps", "1", "--sample-tokens", "0"],
+             os.path.join(work, "prep"), env)
 
     results = {"before": [], "after": []}
     for i in range(args.repeats):

@@ -169,7 +169,8 @@ def restart(tree, data, work):
     with open(out + ".log") as f:
         said = f.read()
     error = next((line for line in said.splitlines() if "error: " in line), None)
-    return {"command": " ".join(["torchrun", *cmd[3:]]).replace(tree + "/", "").replace(work, "X").replace(data, "DATA"),
+    command = " ".join(["torchrun", *cmd[3:]]).replace(tree + "/", "").replace(work, "X").replace(data, "DATA")
+    return {"command": command,
             "torchrun_exit": proc.returncode, "finished": updates_done(out) >= 40 and proc.returncode == 0,
             "error": error[error.index("error: "):].replace(work, "X") if error else None}
 
@@ -262,12 +263,14 @@ def default_data():
     for pkg in ("json", "email"):
         for name in sorted(os.listdir(os.path.join(sysconfig.get_paths()["stdlib"], pkg))):
             if name.endswith(".py"):
-                shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], pkg, name), os.path.join(data, f"{pkg}_{name}"))
+                shutil.copy(os.path.join(sysconfig.get_paths()["stdlib"], pkg, name),
+                            os.path.join(data, f"{pkg}_{name}"))
     return data
 
 
 def main():
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--trials", type=int, default=8, help="SIGKILLs at random instants of the 124M run")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--seed", type=int, default=0, help="draws the instants")
@@ -341,7 +344,8 @@ def render(path):
     if all("window" in report[s] for s in sides):
         row("SIGKILL between two renames (weights renamed, state being written)",
             lambda r: (f"resumed from step {r['window']['resumed_from']}" if r["window"]["resumed_from"] is not None
-                       else "resume failed") + f", {r['window']['steps_lost']} of {r['window']['updates_done']} steps lost")
+                       else "resume failed")
+                       + f", {r['window']['steps_lost']} of {r['window']['updates_done']} steps lost")
     def status(code):  # Popen's -N: killed by signal N, which a shell reports as 128 + N
         return f"killed by the signal (status {128 - code})" if code < 0 else f"exit {code}"
 

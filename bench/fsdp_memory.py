@@ -65,7 +65,8 @@ def worker(args, extra):
             "params_per_rank": result["params_per_rank"],
             "per_rank": [{"rank": r, **{k: m[k] for k in ("parameters", "gradients", "optimizer", "peak")}}
                          for r, m in enumerate(result["memory_per_rank"])],
-            "unsharded": {k: result["memory_per_rank"][0][k + "_unsharded"] for k in ("parameters", "gradients", "optimizer")},
+            "unsharded": {k: result["memory_per_rank"][0][k + "_unsharded"]
+                          for k in ("parameters", "gradients", "optimizer")},
             "estimate_per_rank": result["memory_estimate"],
             "tokens_per_s": result["tokens_per_s"],
         }))

@@ -34,7 +34,8 @@ from lib.nf4 import LinearNF4  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--hidden", type=int, default=512, help="hidden_size")
     p.add_argument("--layers", type=int, default=4, help="num_hidden_layers")
     p.add_argument("--intermediate", type=int, default=1536, help="intermediate_size")

@@ -34,7 +34,8 @@ EPOCHS, TEST_SAMPLES = 2, 60
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model", help="the real model's Hugging Face directory (e.g. SmolLM2-135M-Instruct)")
     p.add_argument("--model-name", default="SmolLM2-135M-Instruct", help="how the table names the model")
     p.add_argument("--sizes", type=int, nargs="+", default=list(SIZES), help="training conversations per point")

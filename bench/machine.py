@@ -51,5 +51,6 @@ def describe(quiet=None):
 def caption(machine):
     """One line naming what a measured table ran on, for the docs."""
     device = machine.get("gpu") or f"{machine['cpu']}, {machine['cores']} cores"
-    load = {True: "quiet machine", False: "shared machine (times are rough)"}.get(machine.get("quiet"), "load not recorded")
+    load = {True: "quiet machine",
+            False: "shared machine (times are rough)"}.get(machine.get("quiet"), "load not recorded")
     return f"Measured on {device}, torch {machine['torch']}, {machine['date']}, {load}."

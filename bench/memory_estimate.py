@@ -122,7 +122,8 @@ def write_bert(out_dir):
         bert.save_pretrained(bert.init_weights(bert.build_model(cfg)), cfg, out_dir)
         for name in ("tokenizer.json", "tokenizer_config.json"):
             shutil.copy(os.path.join(ROOT, "tests", "fixtures", "real", "splade", name), out_dir)
-        shutil.copy(os.path.join(ROOT, "tests", "fixtures", "bert_uncased_vocab.txt"), os.path.join(out_dir, "vocab.txt"))
+        shutil.copy(os.path.join(ROOT, "tests", "fixtures", "bert_uncased_vocab.txt"),
+                    os.path.join(out_dir, "vocab.txt"))
     return out_dir
 
 
@@ -162,8 +163,10 @@ def write_models(models_dir, sizes):
     paths = {"tiny_gpt": write_gpt2(os.path.join(models_dir, "gpt2-tiny"),
                                     dict(n_layer=4, n_head=4, n_embd=128, block_size=128))}
     if "real" in sizes:
-        paths.update(gpt2=write_gpt2(os.path.join(models_dir, "gpt2")), smollm2=write_smollm2(os.path.join(models_dir, "smollm2-135m")),
-                     bert=write_bert(os.path.join(models_dir, "bert-base")), cifar=write_cifar(os.path.join(models_dir, "cifar10")),
+        paths.update(gpt2=write_gpt2(os.path.join(models_dir, "gpt2")),
+                     smollm2=write_smollm2(os.path.join(models_dir, "smollm2-135m")),
+                     bert=write_bert(os.path.join(models_dir, "bert-base")),
+                     cifar=write_cifar(os.path.join(models_dir, "cifar10")),
                      **write_splade_data(os.path.join(models_dir, "splade-stdlib")))
     return paths
 
@@ -190,7 +193,8 @@ def run_case(script, flags, device, work, env):
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--scripts", nargs="*", help="only these scripts (default: all ten)")
     p.add_argument("--sizes", nargs="+", default=["tiny", "real"], choices=["tiny", "real", "bf16"],
                    help="bf16: the tiny shapes with --dtype bf16")

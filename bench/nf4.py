@@ -65,8 +65,8 @@ def main(argv=None):
     device = torch.device(args.device or default_device())
     dtype = DTYPES[args.dtype]
     torch.manual_seed(0)
-    report = {"machine": machine.describe(quiet=args.quiet), "device": str(device), "dtype": args.dtype, "threads": torch.get_num_threads(),
-              "repeats": args.repeats, "tokens": args.tokens,
+    report = {"machine": machine.describe(quiet=args.quiet), "device": str(device), "dtype": args.dtype,
+              "threads": torch.get_num_threads(), "repeats": args.repeats, "tokens": args.tokens,
               # Other processes competing for the cores slow the many small dequantise ops most.
               "load_avg_1min_before": round(os.getloadavg()[0], 2), "quantize": {}, "linear": {}}
 
@@ -124,7 +124,8 @@ def render(path="bench/results/nf4.json"):
         lines.append(f"| {shape} | {q['quantize_gb_s']:.2f} GB/s ({q['quantize_ms']:.1f} ms) | "
                      f"{q['dequantize_gb_s']:.2f} GB/s ({q['dequantize_ms']:.1f} ms) | {q['bits_per_parameter']:.3f} |")
     lines += ["", f"Forward + backward (w.r.t. the input) of one layer on {r['tokens']:,} tokens:", "",
-              "| layer | LinearNF4 | nn.Linear, frozen | nn.Linear, trainable | NF4 / frozen |", "|---|---:|---:|---:|---:|"]
+              "| layer | LinearNF4 | nn.Linear, frozen | nn.Linear, trainable | NF4 / frozen |",
+              "|---|---:|---:|---:|---:|"]
     for shape, t in r["linear"].items():
         lines.append(f"| {shape} | {t['nf4_ms']:.1f} ms | {t['plain_frozen_ms']:.1f} ms | "
                      f"{t['plain_trainable_ms']:.1f} ms | {t['ratio_vs_frozen']:.2f}x |")

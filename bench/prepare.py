@@ -141,8 +141,8 @@ def main(argv=None):
             point = {"impl": impl, "text_mb": mb}
             need = OLD_BYTES_PER_BYTE * mb * 1_000_000
             if impl == "in_memory" and need > 0.8 * available_bytes():
-                point["skipped"] = (f"needs about {need / 2**30:.0f} GiB ({OLD_BYTES_PER_BYTE} bytes per byte of text), "
-                                    f"{available_bytes() / 2**30:.0f} GiB available")
+                point["skipped"] = (f"needs about {need / 2**30:.0f} GiB ({OLD_BYTES_PER_BYTE} bytes per byte of "
+                                    f"text), {available_bytes() / 2**30:.0f} GiB available")
             else:
                 point.update(run_point(impl, corpus, args.scratch, old_file))
                 point["mb_per_s"] = mb / point["wall_s"]
@@ -201,14 +201,16 @@ def render(path):
         lines.append(f"Peak RSS is the whole process's, torch and the tokenizer included ({min(base) / 2**20:,.0f} MiB "
                      f"after the imports). Streaming peak relative to the smallest corpus: "
                      + ", ".join(f"{int(k):,} MB {v:.2f}x" for k, v in checks.get("peak_ratio_to_smallest", {}).items())
-                     + f"; the same tokens as the in-memory way: {'yes' if checks.get('same_tokens_as_in_memory') else 'not compared'}.")
+                     + "; the same tokens as the in-memory way: "
+                       f"{'yes' if checks.get('same_tokens_as_in_memory') else 'not compared'}.")
     if report.get("note"):
         lines.append(report["note"][0].upper() + report["note"][1:] + ".")
     if checks.get("flat_memory") is False:
         worst = max(checks["peak_ratio_to_smallest"].items(), key=lambda kv: kv[1])
-        lines.append(f"Not yet flat everywhere: at {int(worst[0]):,} MB the streaming peak is {worst[1]:.2f}x the smallest "
-                     f"corpus's, above the {MAX_PEAK_RATIO:.2f}x target. What a batch holds does not grow with the "
-                     f"corpus (8 chunks of 1 MiB and their tokens); the slow growth on top of it is not explained yet.")
+        lines.append(f"Not yet flat everywhere: at {int(worst[0]):,} MB the streaming peak is {worst[1]:.2f}x the "
+                     f"smallest corpus's, above the {MAX_PEAK_RATIO:.2f}x target. What a batch holds does not grow "
+                     "with the corpus (8 chunks of 1 MiB and their tokens); the slow growth on top of it is not "
+                     "explained yet.")
     lines.append(caption(report["machine"]))
     return "\n".join(lines)
 

@@ -28,7 +28,8 @@ from lib import device as devices  # noqa: E402
 
 
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--vocab-size", type=int, default=8192, help="vocabulary (the demo's learned WordPiece size)")
     p.add_argument("--hidden-size", type=int, default=128, help="model width")
     p.add_argument("--num-layers", type=int, default=2, help="transformer layers")
@@ -69,7 +70,8 @@ def make_batch(args, micro, device, seed=0):
     for _ in range(args.batch // micro):
         q = torch.randint(5, args.vocab_size, (micro, args.query_length), generator=g)
         d = torch.randint(5, args.vocab_size, (micro * (1 + args.negatives), args.doc_length), generator=g)
-        out.append(unified.Batch(q.to(device), torch.ones_like(q).to(device), d.to(device), torch.ones_like(d).to(device)))
+        out.append(unified.Batch(q.to(device), torch.ones_like(q).to(device), d.to(device),
+                                 torch.ones_like(d).to(device)))
     return out
 
 
@@ -110,9 +112,11 @@ def naive_vs_exact(args):
     for name, micro, fn in (("exact", args.micro, optimized.gradcache_step), ("naive", args.micro, unified.naive_step)):
         model.zero_grad(set_to_none=True)
         stats = fn(model, make_batch(args, micro, device), 1e-4, 1e-4, None, scaler)
-        result[name] = (stats["rank_loss"], torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+        grads = [p.grad.flatten() for p in model.parameters() if p.grad is not None]
+        result[name] = (stats["rank_loss"], torch.cat(grads))
     (exact_loss, g_exact), (naive_loss, g_naive) = result["exact"], result["naive"]
-    return {"negatives_per_query": {"exact": args.batch * (1 + args.negatives) - 1, "naive": args.micro * (1 + args.negatives) - 1},
+    return {"negatives_per_query": {"exact": args.batch * (1 + args.negatives) - 1,
+                                    "naive": args.micro * (1 + args.negatives) - 1},
             "rank_loss": {"exact": exact_loss, "naive": naive_loss},
             "gradient_cosine": torch.nn.functional.cosine_similarity(g_exact, g_naive, dim=0).item(),
             "gradient_relative_error": ((g_naive - g_exact).norm() / g_exact.norm()).item()}
@@ -151,19 +155,24 @@ def main(argv=None):
         results[name] = json.loads(proc.stdout.strip().splitlines()[-1])
     plain, cached = results["plain"], results["gradcache"]
     report = {
-        "device": args.device if args.device != "cpu" else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)",
+        "device": (args.device if args.device != "cpu"
+                   else f"cpu ({os.cpu_count()} cores, {torch.get_num_threads()} threads)"),
         "model": {"vocab_size": args.vocab_size, "hidden_size": args.hidden_size, "num_layers": args.num_layers,
                   "n_params": plain.get("n_params")},
         "batch": {"effective": args.batch, "micro": args.micro, "negatives": args.negatives,
                   "query_length": args.query_length, "doc_length": args.doc_length},
         "configs": results,
-        "gradcache_step_vs_plain": cached["step_s"] / plain["step_s"] if "step_s" in cached and "step_s" in plain else None,
-        "gradcache_peak_vs_plain": cached["peak_bytes"] / plain["peak_bytes"] if "peak_bytes" in cached and "peak_bytes" in plain else None,
+        "gradcache_step_vs_plain": (cached["step_s"] / plain["step_s"]
+                                    if "step_s" in cached and "step_s" in plain else None),
+        "gradcache_peak_vs_plain": (cached["peak_bytes"] / plain["peak_bytes"]
+                                    if "peak_bytes" in cached and "peak_bytes" in plain else None),
         "naive_vs_exact": naive_vs_exact(args),
         "encode_texts_per_s": encode_throughput(args),
     }
-    report["targets_met"] = {"step <= 1.5x plain": report["gradcache_step_vs_plain"] is not None and report["gradcache_step_vs_plain"] <= 1.5,
-                             "peak <= 1/3 plain": report["gradcache_peak_vs_plain"] is not None and report["gradcache_peak_vs_plain"] <= 1 / 3}
+    report["targets_met"] = {"step <= 1.5x plain": report["gradcache_step_vs_plain"] is not None
+                             and report["gradcache_step_vs_plain"] <= 1.5,
+                             "peak <= 1/3 plain": report["gradcache_peak_vs_plain"] is not None
+                             and report["gradcache_peak_vs_plain"] <= 1 / 3}
     print(json.dumps(report, indent=2))
 
 

@@ -29,7 +29,8 @@ from lib import device as devices  # noqa: E402
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--model-size", default="tiny", choices=list(gpt.MODEL_SIZES))
     p.add_argument("--n-layer", type=int)
     p.add_argument("--n-head", type=int)
@@ -117,14 +118,17 @@ def render(path="bench/results/train_throughput.json"):
     """One row per recorded run: the step time, tokens/s and the data path's share, with each machine named."""
     with open(path) as f:
         runs = json.load(f)["runs"]
-    lines = ["| model | batch | dtype | timed steps (after warm-up) | ms per step, wall (CPU) | tokens/s | data path per step | peak memory | load average (1 min) |",
+    lines = ["| model | batch | dtype | timed steps (after warm-up) | ms per step, wall (CPU) | tokens/s | data path "
+             "per step | peak memory | load average (1 min) |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in runs:
-        lines.append(f"| {r['model_size']} ({r['n_params'] / 1e6:.1f}M) | {r['batch_size']} x {r['block_size']} | {r['dtype']}"
-                     f"{' + compile' if r['compile'] else ''} | {r.get('timed_steps', '?')} ({r.get('warmup_steps', '?')}) | {r['ms_per_step']:,.0f} ({r.get('cpu_ms_per_step', float('nan')):,.0f}) | "
-                     f"{r['tokens_per_s']:,} | "
+        lines.append(f"| {r['model_size']} ({r['n_params'] / 1e6:.1f}M) | {r['batch_size']} x {r['block_size']} | "
+                     f"{r['dtype']}{' + compile' if r['compile'] else ''} | {r.get('timed_steps', '?')} "
+                     f"({r.get('warmup_steps', '?')}) | {r['ms_per_step']:,.0f} "
+                     f"({r.get('cpu_ms_per_step', float('nan')):,.0f}) | {r['tokens_per_s']:,} | "
                      f"{r['data_ms_per_step']:.1f} ms ({r['data_ms_per_step'] / r['ms_per_step']:.1%}) | "
-                     f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB ({r['memory_kind']}) | {r['machine']['load_avg_1m']} |")
+                     f"{r['peak_memory_bytes'] / 2**20:,.0f} MiB ({r['memory_kind']}) | "
+                     f"{r['machine']['load_avg_1m']} |")
     captions = sorted({machine.caption(r["machine"]) for r in runs})
     return "\n".join(lines + [""] + captions)
 

@@ -74,9 +74,10 @@ def measure(cfg, first=True):
     peak = devices.peak_memory_bytes(device)
     total = sum(estimate.values())
     distributed.cleanup(info)
-    return {**cfg, "device": str(device), "rank": info.rank, "world_size": info.world_size, "step_s": min(times[1:] or times), "peak_bytes": peak,
-            "baseline_bytes": baseline, "estimate_bytes": total, "estimate_over_peak": round(total / peak, 3),
-            "peak_above_baseline": peak - baseline, "estimate_above_baseline": total - baseline}
+    return {**cfg, "device": str(device), "rank": info.rank, "world_size": info.world_size,
+            "step_s": min(times[1:] or times), "peak_bytes": peak, "baseline_bytes": baseline, "estimate_bytes": total,
+            "estimate_over_peak": round(total / peak, 3), "peak_above_baseline": peak - baseline,
+            "estimate_above_baseline": total - baseline}
 
 
 def measure_sampling(cfg):
@@ -146,25 +147,31 @@ def measure_in_subprocess(cfg, timeout=600, glibc_default=False):
     proc = subprocess.run([*launch, os.path.abspath(__file__), mode, json.dumps(cfg)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=timeout)
     if proc.returncode != 0:
-        return {**cfg, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}"}
+        return {**cfg, "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip()
+                else f"exit {proc.returncode}"}
     results = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
     return max(results, key=lambda r: r.get("peak_bytes", 0))  # model_parallel: the rank with the highest peak
 
 
 def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--one", help="measure one JSON configuration (or a list, in turn) in this process and print JSON lines")
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p.add_argument("--one",
+                   help="measure one JSON configuration (or a list, in turn) in this process and print JSON lines")
     p.add_argument("--time", help="time the JSON configuration's strategies in turns in this process")
     p.add_argument("--sampling", help='measure sample() for one JSON configuration {"dim", "centres", "num_samples"}')
     p.add_argument("--dim", type=int, default=64, help="data dimension D")
     p.add_argument("--ks", type=int, nargs="+", default=[64, 256, 1024], help="numbers of centres K")
     p.add_argument("--chunk", type=int, default=32, help="chunk size for chunked")
-    p.add_argument("--steps", type=int, default=2, help="training steps per configuration (time: the fastest after the first)")
+    p.add_argument("--steps", type=int, default=2,
+                   help="training steps per configuration (time: the fastest after the first)")
     p.add_argument("--ranks", type=int, default=2, help="torchrun processes for model_parallel")
-    p.add_argument("--rounds", type=int, default=5, help="timing rounds per K (strategies take turns; the fastest counts)")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="timing rounds per K (strategies take turns; the fastest counts)")
     p.add_argument("--glibc-default", action="store_true", help="leave glibc's malloc thresholds alone (see above)")
     p.add_argument("--batch", type=int, default=64, help="batch size")
-    p.add_argument("--strategies", nargs="+", default=["single_gpu", "chunked", "gradient_accumulation", "model_parallel"],
+    p.add_argument("--strategies", nargs="+",
+                   default=["single_gpu", "chunked", "gradient_accumulation", "model_parallel"],
                    help="strategies to run (model_parallel is launched with torchrun, --ranks CPU processes, gloo)")
     p.add_argument("--device", help="cuda, mps or cpu")
     args = p.parse_args(argv)
@@ -208,14 +215,16 @@ def summarise(rows, timings, args):
     ok = [r for r in rows if "error" not in r]
     by = {(r["strategy"], r["centres"]): r for r in ok}
     out = {}
-    chunked = sorted((r["centres"], r["peak_above_baseline"], r["peak_bytes"]) for r in ok if r["strategy"] == "chunked")
+    chunked = sorted((r["centres"], r["peak_above_baseline"], r["peak_bytes"]) for r in ok
+                     if r["strategy"] == "chunked")
     growth = []
     for k, _, peak in chunked:
         if ("chunked", 4 * k) in by:
             growth.append({"K": k, "K4": 4 * k, "peak_ratio": round(by[("chunked", 4 * k)]["peak_bytes"] / peak, 3)})
     out["chunked_peak_growth_when_K_x4"] = growth
     out["chunked_over_single_step_time"] = [
-        {"K": t["centres"], "single_s": round(t["best_step_s"]["single_gpu"], 4), "chunked_s": round(t["best_step_s"]["chunked"], 4),
+        {"K": t["centres"], "single_s": round(t["best_step_s"]["single_gpu"], 4),
+         "chunked_s": round(t["best_step_s"]["chunked"], 4),
          "ratio": round(t["best_step_s"]["chunked"] / t["best_step_s"]["single_gpu"], 2)}
         for t in timings if "error" not in t and {"chunked", "single_gpu"} <= set(t["best_step_s"])]
     out["estimate_over_peak"] = {f"{r['strategy']} K={r['centres']}": r["estimate_over_peak"] for r in ok}

@@ -110,7 +110,8 @@ def flag_table(min_scripts="4"):
 
 
 def kept_names():
-    """One line per script family: the original projects' flag names it keeps, and the repository's names it also accepts."""
+    """One line per script family: the original projects' flag names it keeps, and the repository's names it
+    also accepts."""
     families = [("SPLADE (train_splade_unified.py, train_splade_optimized.py)", "train_splade_optimized"),
                 ("judge (judge_train_mps.py, judge_train_cuda.py)", "judge_train_cuda"),
                 ("WPO-SGM (train_wpo_sgm_memory_efficient.py)", "train_wpo_sgm_memory_efficient")]
@@ -163,14 +164,17 @@ def lora_estimates(batch="4", block="512"):
     """Full fine-tuning, LoRA and QLoRA of GPT-2 sizes on a GPU under bf16 autocast (lib/memory's estimators)."""
     from lib import memory
     batch, block = int(batch), int(block)
-    lines = ["| model | method | weights (the base, or all of them for full fine-tuning) | trained: LoRA params + grads + AdamW | activations | loss (one chunk of logits) "
-             "| other | total |", "|---|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| model | method | weights (the base, or all of them for full fine-tuning) | trained: LoRA params + "
+             "grads + AdamW | activations | loss (one chunk of logits) | other | total |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for size in ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl"):
         cfg, model = _gpt(size)
         n = sum(p.numel() for p in model.parameters())
         rows = [("full fine-tuning", memory.estimate_gpt_training(cfg, n, batch, block, "cuda", amp=True)),
-                ("LoRA", memory.estimate_lora_finetuning(cfg, batch, block, "cuda", amp=True, base="bf16", lora_bytes=4)),
-                ("QLoRA", memory.estimate_lora_finetuning(cfg, batch, block, "cuda", amp=True, base="nf4", lora_bytes=2))]
+                ("LoRA", memory.estimate_lora_finetuning(cfg, batch, block, "cuda", amp=True,
+                                                         base="bf16", lora_bytes=4)),
+                ("QLoRA", memory.estimate_lora_finetuning(cfg, batch, block, "cuda", amp=True,
+                                                          base="nf4", lora_bytes=2))]
         for method, e in rows:
             base = sum(v for k, v in e.items() if k.startswith(("base weights", "parameters")))
             trained = sum(v for k, v in e.items() if k.startswith(("gradients", "AdamW", "LoRA")))
@@ -274,14 +278,16 @@ def logits_table():
         n = sum(p.numel() for p in model.parameters())
         rows.append((name, kw["vocab_size"], kw["hidden_size"], 2, 512, n, False))
     lines = ["| model | vocab | hidden | tokens per step | head weight, share of parameters | weights (fp32) "
-             "| fp32 logits | plain loss (16 B a value) | chunked loss |", "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
+             "| fp32 logits | plain loss (16 B a value) | chunked loss |",
+             "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for name, vocab, hidden, batch, block, n, train_head in rows:
         tokens = batch * block
         head = vocab * hidden
         chunked = memory.lm_loss_bytes(tokens, vocab, hidden, train_head=train_head)
         lines.append(f"| {name} | {vocab:,} | {hidden:,} | {batch} x {block:,} = {tokens:,} | {head / 1e6:.1f}M, "
-                     f"{head / n:.0%} of {n / 1e6:,.1f}M | {n * 4 / 2**20:,.0f} MiB | {tokens * vocab * 4 / 2**20:,.0f} MiB | "
-                     f"{tokens * vocab * 16 / 2**20:,.0f} MiB | {chunked / 2**20:,.0f} MiB |")
+                     f"{head / n:.0%} of {n / 1e6:,.1f}M | {n * 4 / 2**20:,.0f} MiB | "
+                     f"{tokens * vocab * 4 / 2**20:,.0f} MiB | {tokens * vocab * 16 / 2**20:,.0f} MiB | "
+                     f"{chunked / 2**20:,.0f} MiB |")
     return "\n".join(lines)
 
 
@@ -363,7 +369,8 @@ def gradcache_check(n_queries="8", micro="2"):
 
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     results = {}
-    for name, step, size in (("one batch", unified.naive_step, n_queries), ("GradCache", optimized.gradcache_step, micro),
+    for name, step, size in (("one batch", unified.naive_step, n_queries),
+                             ("GradCache", optimized.gradcache_step, micro),
                              ("naive accumulation", unified.naive_step, micro)):
         model.zero_grad(set_to_none=True)
         stats = step(model, batches(size), 1e-3, 2e-3, None, scaler)
@@ -372,16 +379,20 @@ def gradcache_check(n_queries="8", micro="2"):
     lines = [f"A 2-layer, 64-wide BERT with random weights, {n_queries} queries with one positive and one hard "
              f"negative each; GradCache and naive accumulation in micro-batches of {micro} queries "
              f"({n_queries // micro} micro-batches), one step each from the same weights, no dropout:", "",
-             "| step | negatives per query | ranking loss | largest gradient difference from one batch | cosine with one batch's gradient |",
+             "| step | negatives per query | ranking loss | largest gradient difference from one batch | cosine with "
+             "one batch's gradient |",
              "|---|---:|---:|---:|---:|"]
     for name, (stats, g) in results.items():
         negatives = 2 * (n_queries if name != "naive accumulation" else micro) - 1
         diff = float((g - full).abs().max() / full.abs().max())
         cos = float(torch.nn.functional.cosine_similarity(g, full, dim=0))
+        difference = ("0" if name == "one batch" else "below 1e-5 of the largest entry" if diff < 1e-5
+                      else f"{diff:.1%} of the largest entry")
         lines.append(f"| {name} | {negatives} | {stats['rank_loss']:.4f} | "
-                     f"{'0' if name == 'one batch' else ('below 1e-5 of the largest entry' if diff < 1e-5 else f'{diff:.1%} of the largest entry')} | "
+                     f"{difference} | "
                      f"{cos:.4f} |")
-    lines += ["", "(Computed by `docs/figures.gradcache_check` with the scripts' own `naive_step` and `gradcache_step`; "
+    lines += ["",
+              "(Computed by `docs/figures.gradcache_check` with the scripts' own `naive_step` and `gradcache_step`; "
               "`tests/test_splade.py` checks the same to 1e-5 for every parameter.)"]
     return "\n".join(lines)
 
@@ -417,8 +428,8 @@ def nf4_errors():
         f"{err(outliers, 64):.1%} |", "",
         f"Blocks of 64: NF4 {err(w, 64):.2%} with double quantisation, {err(w, 64, False):.2%} without; 16 evenly "
         f"spaced 4-bit levels instead of NF4's, {uniform(w, 64):.2%}. `lib/nf4.bits_per_parameter` gives "
-        f"{nf4.bits_per_parameter(q):.3f} bits per weight with double quantisation. (Computed by `docs/figures.nf4_errors` "
-        "with `lib/nf4.quantize_nf4` and `dequantize_nf4`, seed 0.)"])
+        f"{nf4.bits_per_parameter(q):.3f} bits per weight with double quantisation. (Computed by "
+        "`docs/figures.nf4_errors` with `lib/nf4.quantize_nf4` and `dequantize_nf4`, seed 0.)"])
 
 
 # --- docs/choosing_a_script.md and friends: one table per script family --------------------------
@@ -468,7 +479,8 @@ def finetune_totals(batch="4", block="512"):
     for r in rows:
         cells = [c.strip() for c in r.strip("|").split("|")]
         totals.setdefault(cells[0], {})[cells[1]] = cells[-1].strip("*")
-    lines = ["| model | full fine-tuning (`train.py --init-from`) | LoRA (`finetune_lora.py`) | QLoRA (`finetune_qlora.py`) |",
+    lines = ["| model | full fine-tuning (`train.py --init-from`) | LoRA (`finetune_lora.py`) | QLoRA "
+             "(`finetune_qlora.py`) |",
              "|---|---:|---:|---:|"]
     for size, t in totals.items():
         lines.append(f"| {size} | {t['full fine-tuning']} | {t['LoRA']} | {t['QLoRA']} |")
@@ -499,10 +511,12 @@ def wpo_plans():
     """WPO-SGM on CIFAR-10 (K = 1000): what each plan holds and adds, from the script's own estimator."""
     import train_wpo_sgm_memory_efficient as wpo
     shape = _cifar_shape()
-    lines = [f"K = {shape.centres:,} centres, D = {shape.dim:,}, N = {shape.train_samples:,} training samples (CIFAR-10's "
-             f"training set) and no test set, batch B = {shape.batch}, factornet {shape.depth} x {shape.hidden} "
-             f"({shape.n_params:,} parameters), no sampling; peak = held + the larger of the step and AdamW's update:", "",
-             "| plan | predicted peak | held (data, weights, AdamW state) | a step's forward and backward | AdamW's update |",
+    lines = [f"K = {shape.centres:,} centres, D = {shape.dim:,}, N = {shape.train_samples:,} training samples "
+             f"(CIFAR-10's training set) and no test set, batch B = {shape.batch}, factornet {shape.depth} x "
+             f"{shape.hidden} ({shape.n_params:,} parameters), no sampling; peak = held + the larger of the step and "
+             "AdamW's update:", "",
+             "| plan | predicted peak | held (data, weights, AdamW state) | a step's forward and backward | AdamW's "
+             "update |",
              "|---|---:|---:|---:|---:|"]
     for label, plan in (("single_gpu", wpo.Plan("single_gpu")),
                         ("gradient_accumulation, 4 micro-batches", wpo.Plan("gradient_accumulation", None, 4)),
@@ -513,11 +527,14 @@ def wpo_plans():
         m = {k: sum(v.values()) for k, v in wpo.moments(shape, plan).items()}
         per_rank = " per rank" if plan.world_size > 1 else ""
         lines.append(f"| {label} | {sum(wpo.estimate_memory(shape, plan).values()) / 2**30:.1f} GiB{per_rank} | "
-                     f"{held / 2**30:.1f} GiB | {m[chr(97) + ' step' + chr(39) + 's forward and backward'] / 2**30:.1f} GiB | "
+                     f"{held / 2**30:.1f} GiB | "
+                     f"{m[chr(97) + ' step' + chr(39) + 's forward and backward'] / 2**30:.1f} GiB | "
                      f"{m['AdamW' + chr(39) + 's update'] / 2**30:.1f} GiB |")
-    picks = [(gib, wpo.largest_chunk(shape, wpo.Plan("chunked"), wpo.FREE_FRACTION * gib * 2**30, 0)) for gib in (80, 40, 16)]
+    picks = [(gib, wpo.largest_chunk(shape, wpo.Plan("chunked"), wpo.FREE_FRACTION * gib * 2**30, 0))
+             for gib in (80, 40, 16)]
     lines += ["", "With this much memory free on a GPU, auto picks chunked with the largest chunk that fits "
-              f"{wpo.FREE_FRACTION:.0%} of it: " + ", ".join(f"{c} centres per chunk on {g} GiB" for g, c in picks) + "."]
+              f"{wpo.FREE_FRACTION:.0%} of it: "
+              + ", ".join(f"{c} centres per chunk on {g} GiB" for g, c in picks) + "."]
     return "\n".join(lines)
 
 
@@ -528,8 +545,8 @@ def wpo_summary():
     full = sum(wpo.estimate_memory(shape, wpo.Plan("single_gpu")).values()) / 2**30
     chunked = sum(wpo.estimate_memory(shape, wpo.Plan("chunked", 4)).values()) / 2**30
     return (f"CIFAR-10 (D = {shape.dim:,}, N = {shape.train_samples:,}, batch {shape.batch}, factornet "
-            f"{shape.depth} x {shape.hidden}), K = {shape.centres:,}: {full:.1f} GiB predicted for all centres at once, "
-            f"{chunked:.1f} GiB chunked with c = 4 (the script's estimator; "
+            f"{shape.depth} x {shape.hidden}), K = {shape.centres:,}: {full:.1f} GiB predicted for all centres at "
+            f"once, {chunked:.1f} GiB chunked with c = 4 (the script's estimator; "
             "[wpo_sgm_memory.md](wpo_sgm_memory.md) breaks both down).")
 
 
@@ -585,7 +602,8 @@ def fsdp_estimate(size="gpt2-xl", world="2", batch="8", bf16="no", checkpointing
     flags = f" --mixed-precision bf16 --batch-size {batch}" if bf16 else ""
     flags += " --activation-checkpointing" if ckpt else ""
     return "\n".join([
-        "```", f"$ torchrun --standalone --nproc_per_node={world} train_fsdp.py --model-size {size} --estimate-memory{flags}",
+        "```",
+        f"$ torchrun --standalone --nproc_per_node={world} train_fsdp.py --model-size {size} --estimate-memory{flags}",
         "parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
         + f" (of {n:,}; {n / world:,.0f} = 1/{world} each)",
         memory.format_columns({f"FSDP2, 1 of {world}": fsdp, "DDP / unsharded": ddp},
@@ -609,14 +627,16 @@ def fsdp_rows(batch="4"):
                               ("gpt2-xl", "GPT-2 XL, `--activation-checkpointing`", True)):
         cfg, model = _gpt(size)
         n = sum(p.numel() for p in model.parameters())
-        cols = [parts(memory.estimate_gpt_training(cfg, n, batch, cfg.block_size, "cuda", True, ddp=True, checkpointing=ckpt))]
-        cols += [parts(memory.estimate_fsdp_training(cfg, n, batch, cfg.block_size, w, "cuda", True, checkpointing=ckpt))
+        cols = [parts(memory.estimate_gpt_training(cfg, n, batch, cfg.block_size, "cuda", True,
+                                                   ddp=True, checkpointing=ckpt))]
+        cols += [parts(memory.estimate_fsdp_training(cfg, n, batch, cfg.block_size, w, "cuda",
+                                                     True, checkpointing=ckpt))
                  for w in (2, 4, 8)]
         name = label if ckpt else f"{label} ({n:,})"
         if not ckpt:
             lines.append(f"| {name} | weights + grads + AdamW | " + " | ".join(_gib(c[0]) for c in cols) + " |")
-            lines.append("| | DDP gradient buckets and tied embedding's second gradient / all-gathered + unsharded grads | "
-                         + " | ".join(_gib(c[1]) for c in cols) + " |")
+            lines.append("| | DDP gradient buckets and tied embedding's second gradient / all-gathered + unsharded "
+                         "grads | " + " | ".join(_gib(c[1]) for c in cols) + " |")
         lines.append(f"| {'' if not ckpt else name} | activations + loss (one chunk of logits) | "
                      + " | ".join(_gib(c[2]) for c in cols) + " |")
         total = [f"**{_gib(c[3])}**" for c in cols]
@@ -627,12 +647,14 @@ def fsdp_rows(batch="4"):
 
 
 def judge_estimates(seq="512"):
-    """docs/judge_mps_vs_cuda.md: judge_train_mps.estimate_memory per known model and recipe, and one NF4 figure taken apart."""
+    """docs/judge_mps_vs_cuda.md: judge_train_mps.estimate_memory per known model and recipe, and one NF4 figure
+    taken apart."""
     from lib import llama
     import judge_train_mps as judge
     seq = int(seq)
-    lines = ["| model | parameters | LoRA r (trainable) | MPS script, fp32, batch 1 | CUDA script, NF4 + bf16 + checkpointing "
-             "+ 8-bit AdamW, batch 2 | CUDA `--no_4bit` (bf16 base), batch 1 |", "|---|---:|---:|---:|---:|---:|"]
+    lines = ["| model | parameters | LoRA r (trainable) | MPS script, fp32, batch 1 | CUDA script, NF4 + bf16 + "
+             "checkpointing + 8-bit AdamW, batch 2 | CUDA `--no_4bit` (bf16 base), batch 1 |",
+             "|---|---:|---:|---:|---:|---:|"]
     full_logits = []
     for name, kw in llama.KNOWN_CONFIGS.items():
         cfg = llama.LlamaConfig(**kw)
@@ -645,18 +667,19 @@ def judge_estimates(seq="512"):
         bf16 = judge.estimate_memory(cfg, 1, seq, "cuda", "bf16", 2, r, "adamw8bit", True)
         lines.append(f"| {name.split('/')[1]} | {n:,} | {r} ({trainable:,}) | {_gib(sum(mps.values()))} | "
                      f"{_gib(sum(nf4.values()))} | {_gib(sum(bf16.values()))} |")
-        logits = 2 * seq * cfg.vocab_size * 16  # lib/memory.logits_bytes under 16-bit autocast: 2 + 4 + 4 + 4 + 2 bytes a value
+        # lib/memory.logits_bytes under 16-bit autocast: 2 + 4 + 4 + 4 + 2 bytes a value
+        logits = 2 * seq * cfg.vocab_size * 16
         full_logits.append((name, cfg, n, nf4, logits, sum(nf4.values()) - nf4["loss (one chunk of logits)"] + logits))
     name, cfg, n, e, logits, _ = full_logits[1]
     lora = e["LoRA parameters (fp32)"]
     lines += ["", f"Of the NF4 figure for {name.split('/')[1]}: the base {_gib(e['base weights (NF4 linears)'])} "
               f"({_gib(n * 4)} in fp32), activations {_gib(e['activations (checkpointed)'])} with checkpointing, "
-              f"{e['8-bit AdamW state'] / 2**20:.1f} MiB of 8-bit AdamW state ({2 * lora / 2**20:.0f} MiB in fp32), and the "
-              f"loss, {e['loss (one chunk of logits)'] / 2**20:.0f} MiB. The full logits of its {cfg.vocab_size:,}-word "
-              f"vocabulary, 2 x {seq} x {cfg.vocab_size:,} values at 16 bytes under bf16 autocast (bf16 logits, their fp32 "
-              f"copy, the fp32 log-softmax and its gradient, and the bf16 gradient the head receives: "
-              f"`lib/memory.logits_bytes`), would be {_gib(logits)}, the largest single term: the NF4 column would read "
-              + ", ".join(_gib(t) for *_, t in full_logits) + " with them."]
+              f"{e['8-bit AdamW state'] / 2**20:.1f} MiB of 8-bit AdamW state ({2 * lora / 2**20:.0f} MiB in fp32), "
+              f"and the loss, {e['loss (one chunk of logits)'] / 2**20:.0f} MiB. The full logits of its "
+              f"{cfg.vocab_size:,}-word vocabulary, 2 x {seq} x {cfg.vocab_size:,} values at 16 bytes under bf16 "
+              "autocast (bf16 logits, their fp32 copy, the fp32 log-softmax and its gradient, and the bf16 gradient "
+              f"the head receives: `lib/memory.logits_bytes`), would be {_gib(logits)}, the largest single term: the "
+              "NF4 column would read " + ", ".join(_gib(t) for *_, t in full_logits) + " with them."]
     return "\n".join(lines)
 
 
@@ -671,8 +694,9 @@ def splade_breakdown(batch="32"):
     return "\n".join([
         f"| component | bytes | BERT-base, B={batch}, k=1, Lq=32, Ld=256 |", "|---|---|---:|",
         f"| weights, gradients, AdamW moments (fp32) | 16 per parameter | {_gib(state)} |",
-        f"| encoder activations | about 18 x hidden values per token and layer, plus attention | {_gib(e['encoder activations'])} |",
+        "| encoder activations | about 18 x hidden values per token and layer, plus attention | "
+        f"{_gib(e['encoder activations'])} |",
         f"| MLM logits and their gradients | tokens x vocabulary x 12 | {_gib(e['MLM logits + gradient'])} |", "",
         f"(`estimate_memory` in `train_splade_unified.py`, which `--estimate-memory` prints; BERT-base: "
-        f"{cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n / 1e6:.1f}M parameters; "
-        f"the whole estimate, CUDA: {_gib(sum(e.values()))}.)"])
+        f"{cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n / 1e6:.1f}M "
+        f"parameters; the whole estimate, CUDA: {_gib(sum(e.values()))}.)"])

@@ -49,7 +49,8 @@ def create_dynamic_map(signed: bool = True, max_exponent_bits: int = 7, total_bi
     signed, 2^(i+1) when not (the sign bit is spent on precision instead): the entries are the
     midpoints of 2^i + 1 (or 2^(i+1) + 1) points evenly spaced over [0.1, 1], times 10^(i-6).
     Small decades get few entries, large ones many: the worst relative error is a few percent in
-    the top decade and grows decade by decade below it (docs/adam8bit_explained.md tabulates it). Add 0 and 1, sort, and the 256 codes are the sorted positions. Computed in float32
+    the top decade and grows decade by decade below it (docs/adam8bit_explained.md tabulates it).
+    Add 0 and 1, sort, and the 256 codes are the sorted positions. Computed in float32
     in the same order as bitsandbytes so that every entry is bit-for-bit the same.
     """
     values = []

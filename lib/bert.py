@@ -1,7 +1,8 @@
 """BERT and DistilBERT masked-language models, by hand, loading and saving Hugging Face checkpoints.
 
 Used by train_splade_unified.py and train_splade_optimized.py (SPLADE reads the masked-LM logits as
-term weights); check_model_dir() is what they call first, before any data is built. The one idea: both are the same post-LayerNorm encoder (embeddings, then blocks of
+term weights); check_model_dir() is what they call first, before any data is built. The one idea:
+both are the same post-LayerNorm encoder (embeddings, then blocks of
 "x = LN(x + attention(x)); x = LN(x + FFN(x))", then an MLM head whose output matrix is the word
 embedding matrix again); they differ in names and in two details (DistilBERT has no token-type
 embeddings and half the layers). Module names follow transformers' key names, so loading a
@@ -78,12 +79,15 @@ def config_from_hf(d: dict) -> BertConfig:
                    intermediate_size=d.get("hidden_dim", 3072),
                    max_position_embeddings=d.get("max_position_embeddings", 512), type_vocab_size=0,
                    layer_norm_eps=1e-12, hidden_act=d.get("activation", "gelu"), model_type="distilbert",
-                   hidden_dropout_prob=d.get("dropout", 0.1), attention_probs_dropout_prob=d.get("attention_dropout", 0.1),
+                   hidden_dropout_prob=d.get("dropout", 0.1),
+                   attention_probs_dropout_prob=d.get("attention_dropout", 0.1),
                    sinusoidal_pos_embds=bool(d.get("sinusoidal_pos_embds", False)))
     elif model_type == "bert":
         if d.get("position_embedding_type", "absolute") != "absolute":
-            raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not supported (absolute only)")
-        cfg = {f.name: d[f.name] for f in fields(BertConfig) if f.name in d and f.name not in ("model_type", "sinusoidal_pos_embds")}
+            raise ValueError(f"position_embedding_type {d['position_embedding_type']!r} is not supported (absolute "
+                             "only)")
+        cfg = {f.name: d[f.name] for f in fields(BertConfig) if f.name in d
+               and f.name not in ("model_type", "sinusoidal_pos_embds")}
     else:
         raise ValueError(f"model_type {model_type!r} is not BERT or DistilBERT")
     if d.get("pad_token_id") is not None:
@@ -106,7 +110,8 @@ def config_to_hf(cfg: BertConfig) -> dict:
                 "qa_dropout": 0.1, "seq_classif_dropout": 0.2, "initializer_range": cfg.initializer_range,
                 "pad_token_id": cfg.pad_token_id, "tie_word_embeddings": True}
     d = {k: v for k, v in asdict(cfg).items() if k != "sinusoidal_pos_embds"}
-    return {"architectures": ["BertForMaskedLM"], **d, "position_embedding_type": "absolute", "tie_word_embeddings": True}
+    return {"architectures": ["BertForMaskedLM"], **d, "position_embedding_type": "absolute",
+            "tie_word_embeddings": True}
 
 
 # ---- the model ----
@@ -136,7 +141,8 @@ class Embeddings(nn.Module):
     def forward(self, input_ids, token_type_ids=None):
         T = input_ids.shape[1]
         if T > self.position_embeddings.num_embeddings:
-            raise ValueError(f"sequence of {T} tokens is longer than the model's {self.position_embeddings.num_embeddings} positions")
+            raise ValueError(f"sequence of {T} tokens is longer than the model's "
+                             f"{self.position_embeddings.num_embeddings} positions")
         x = self.word_embeddings(input_ids) + self.position_embeddings(torch.arange(T, device=input_ids.device))
         if hasattr(self, "token_type_embeddings"):  # one segment: every token has type 0
             types = torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids
@@ -150,12 +156,14 @@ class BertLayer(nn.Module):
     def __init__(self, cfg: BertConfig):
         super().__init__()
         H = cfg.hidden_size
-        self.n_heads, self.attn_p, self.act = cfg.num_attention_heads, cfg.attention_probs_dropout_prob, ACTIVATIONS[cfg.hidden_act]
+        self.n_heads, self.attn_p = cfg.num_attention_heads, cfg.attention_probs_dropout_prob
+        self.act = ACTIVATIONS[cfg.hidden_act]
         self.attention = nn.ModuleDict(dict(
             query=nn.Linear(H, H), key=nn.Linear(H, H), value=nn.Linear(H, H),
             output=nn.ModuleDict(dict(dense=nn.Linear(H, H), LayerNorm=nn.LayerNorm(H, eps=cfg.layer_norm_eps)))))
         self.intermediate = nn.ModuleDict(dict(dense=nn.Linear(H, cfg.intermediate_size)))
-        self.output = nn.ModuleDict(dict(dense=nn.Linear(cfg.intermediate_size, H), LayerNorm=nn.LayerNorm(H, eps=cfg.layer_norm_eps)))
+        self.output = nn.ModuleDict(dict(dense=nn.Linear(cfg.intermediate_size, H),
+                                         LayerNorm=nn.LayerNorm(H, eps=cfg.layer_norm_eps)))
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
     def forward(self, x, mask):
@@ -172,10 +180,13 @@ class DistilBertLayer(nn.Module):
     def __init__(self, cfg: BertConfig):
         super().__init__()
         H = cfg.hidden_size
-        self.n_heads, self.attn_p, self.act = cfg.num_attention_heads, cfg.attention_probs_dropout_prob, ACTIVATIONS[cfg.hidden_act]
-        self.attention = nn.ModuleDict(dict(q_lin=nn.Linear(H, H), k_lin=nn.Linear(H, H), v_lin=nn.Linear(H, H), out_lin=nn.Linear(H, H)))
+        self.n_heads, self.attn_p = cfg.num_attention_heads, cfg.attention_probs_dropout_prob
+        self.act = ACTIVATIONS[cfg.hidden_act]
+        self.attention = nn.ModuleDict(dict(q_lin=nn.Linear(H, H), k_lin=nn.Linear(H, H), v_lin=nn.Linear(H, H),
+                                            out_lin=nn.Linear(H, H)))
         self.sa_layer_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
-        self.ffn = nn.ModuleDict(dict(lin1=nn.Linear(H, cfg.intermediate_size), lin2=nn.Linear(cfg.intermediate_size, H)))
+        self.ffn = nn.ModuleDict(dict(lin1=nn.Linear(H, cfg.intermediate_size),
+                                      lin2=nn.Linear(cfg.intermediate_size, H)))
         self.output_layer_norm = nn.LayerNorm(H, eps=cfg.layer_norm_eps)
         self.dropout = nn.Dropout(cfg.hidden_dropout_prob)
 
@@ -215,7 +226,8 @@ class BertForMaskedLM(_Encoder):
         self.encoder.layer = nn.ModuleList(BertLayer(cfg) for _ in range(cfg.num_hidden_layers))
         self.act = ACTIVATIONS[cfg.hidden_act]
         self.predictions = nn.Module()
-        self.predictions.transform = nn.ModuleDict(dict(dense=nn.Linear(H, H), LayerNorm=nn.LayerNorm(H, eps=cfg.layer_norm_eps)))
+        self.predictions.transform = nn.ModuleDict(dict(dense=nn.Linear(H, H),
+                                                        LayerNorm=nn.LayerNorm(H, eps=cfg.layer_norm_eps)))
         self.predictions.bias = nn.Parameter(torch.zeros(cfg.vocab_size))
 
     def encode(self, input_ids, attention_mask=None, token_type_ids=None):
@@ -305,7 +317,8 @@ def hf_to_ours(key: str, model_type: str):
     if IGNORED.search(key):
         return None
     # TF-era checkpoints call a LayerNorm's scale and shift gamma and beta.
-    key = re.sub(r"(LayerNorm|layer_norm)\.gamma$", r"\1.weight", re.sub(r"(LayerNorm|layer_norm)\.beta$", r"\1.bias", key))
+    key = re.sub(r"(LayerNorm|layer_norm)\.gamma$", r"\1.weight",
+                 re.sub(r"(LayerNorm|layer_norm)\.beta$", r"\1.bias", key))
     if model_type == "distilbert":
         return key.removeprefix("distilbert.")
     key = key.removeprefix("bert.")
@@ -367,8 +380,9 @@ def from_hf_state_dict(hf: dict, cfg: BertConfig, where: str, allow_missing_head
         missing = []
     if missing:
         if set(missing) <= set(head):
-            raise UserError(f"{where} has no masked-LM head (missing {ours_to_hf(missing[0], t)}); it is an encoder-only "
-                            f"checkpoint, not {config_to_hf(cfg)['architectures'][0]}; use a masked-LM or SPLADE checkpoint")
+            raise UserError(f"{where} has no masked-LM head (missing {ours_to_hf(missing[0], t)}); it is an "
+                            f"encoder-only checkpoint, not {config_to_hf(cfg)['architectures'][0]}; use a masked-LM or "
+                            "SPLADE checkpoint")
         raise UserError(f"{where} lacks tensor {ours_to_hf(missing[0], t)} ({len(missing)} missing) for a "
                         f"{cfg.num_hidden_layers}-layer {t}; is config.json from the same model?")
     unexpected = sorted(set(sd) - set(want))
@@ -398,7 +412,8 @@ def read_config(model_dir: str) -> BertConfig:
         with open(path, encoding="utf-8") as f:
             return config_from_hf(json.load(f))
     except (json.JSONDecodeError, UnicodeDecodeError, ValueError, TypeError, AttributeError) as e:
-        raise UserError(f"{path} is not a BERT or DistilBERT config ({e}); pass a BERT-family masked-LM checkpoint") from None
+        raise UserError(f"{path} is not a BERT or DistilBERT config ({e}); pass a BERT-family masked-LM "
+                        "checkpoint") from None
 
 
 def weights_path(model_dir: str) -> str:
@@ -409,8 +424,8 @@ def weights_path(model_dir: str) -> str:
     if os.path.isfile(pt):
         return pt
     if os.path.isfile(st + ".index.json"):
-        raise UserError(f"{model_dir} holds a sharded checkpoint ({SAFETENSORS}.index.json), which this loader does not "
-                        f"read; BERT-sized models fit one file: save the model again as a single {SAFETENSORS}")
+        raise UserError(f"{model_dir} holds a sharded checkpoint ({SAFETENSORS}.index.json), which this loader does "
+                        f"not read; BERT-sized models fit one file: save the model again as a single {SAFETENSORS}")
     raise UserError(f"{model_dir} has neither {SAFETENSORS} nor {TORCH_BIN}; pass a directory with the model's weights")
 
 
@@ -419,9 +434,11 @@ def _load_torch_bin(path: str, mmap=False) -> dict:
         # weights_only=True: a pickle could run code; tensors and dicts cannot.
         sd = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as e:
-        raise UserError(f"{path} cannot be read ({type(e).__name__}: {e}); download it again or convert it to safetensors") from None
+        raise UserError(f"{path} cannot be read ({type(e).__name__}: {e}); download it again or convert it to "
+                        "safetensors") from None
     if not isinstance(sd, dict) or not all(isinstance(v, torch.Tensor) for v in sd.values()):
-        raise UserError(f"{path} holds a {type(sd).__name__}, not a state dict of tensors; it is not a model checkpoint")
+        raise UserError(f"{path} holds a {type(sd).__name__}, not a state dict of tensors; it is not a model "
+                        "checkpoint")
     return sd
 
 
@@ -492,9 +509,10 @@ def check_model_dir(name_or_dir: str, cache_dir: str = None, log=print, allow_mi
         shapes, path = found
         with torch.device("meta"):  # shapes only: nothing is allocated
             meta = {k: torch.empty(shape) for k, shape in shapes.items()}
-            attempt(lambda: from_hf_state_dict(meta, cfg, path, allow_missing_head=allow_missing_head, log=lambda *a: None,
-                                               model=build_model(cfg)))
-    tok = attempt(lambda: wordpiece.load_tokenizer(model_dir, log=lambda *a: None))  # the script's own load prints its notes
+            attempt(lambda: from_hf_state_dict(meta, cfg, path, allow_missing_head=allow_missing_head,
+                                               log=lambda *a: None, model=build_model(cfg)))
+    # the script's own load prints its notes
+    tok = attempt(lambda: wordpiece.load_tokenizer(model_dir, log=lambda *a: None))
     if tok is not None and cfg is not None and tok.vocab_size > cfg.vocab_size:
         problems.append(f"{tok.where}: the tokenizer has {tok.vocab_size:,} ids but {os.path.join(model_dir, CONFIG)} "
                         f"says vocab_size {cfg.vocab_size:,}; the tokenizer does not belong to this model (use the "

@@ -144,7 +144,8 @@ def read_pre_tokenizer(spec: dict | None, where: str) -> list:
                 try:
                     compiled = regex.compile(pat["Regex"])
                 except regex.error as e:
-                    raise UserError(f"{where}: pre_tokenizer Split pattern {pat['Regex']!r} does not compile: {e}") from None
+                    raise UserError(f"{where}: pre_tokenizer Split pattern {pat['Regex']!r} does not compile: "
+                                    f"{e}") from None
             elif "String" in pat:
                 compiled = regex.compile(regex.escape(pat["String"]))
             else:
@@ -524,7 +525,8 @@ def _llama3_turn(m):
 
 def _render_llama3(messages, generation, bos, date_string, always_generation=False):
     out = [bos * (i == 0) + _llama3_turn(m) for i, m in enumerate(messages)]
-    return "".join(out) + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if generation or always_generation else "")
+    return "".join(out) + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if generation
+                           or always_generation else "")
 
 
 def _render_llama3_1(messages, generation, bos, date_string, knowledge, date=None, family="llama3_1"):
@@ -623,7 +625,8 @@ def load_tokenizer(model_dir: str) -> Tokenizer:
         if tok.get("special"):
             special_ids.append(int(i))
     engine, prefix, suffix = {}, [], []
-    if os.path.isfile(path("tokenizer.json")) or (os.path.isfile(path("vocab.json")) and os.path.isfile(path("merges.txt"))):
+    if os.path.isfile(path("tokenizer.json")) or (os.path.isfile(path("vocab.json"))
+                                                  and os.path.isfile(path("merges.txt"))):
         if os.path.isfile(path("tokenizer.json")):
             where = path("tokenizer.json")
             tj = _read_json(where)

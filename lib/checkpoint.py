@@ -137,7 +137,8 @@ def load_config(model_dir: str) -> gpt.GPTConfig:
 def check_shape_flags(cfg: gpt.GPTConfig, args, given: set):
     """--init-from brings its own shape: --model-size, --n-layer, --n-head and --n-embd (the flags in
     `given`) may repeat it, never contradict it. Used by train.py and train_fsdp.py."""
-    want = {k: v for k, v in gpt.MODEL_SIZES[args.model_size].items() if k != "block_size"} if "model_size" in given else {}
+    want = {k: v for k, v in gpt.MODEL_SIZES[args.model_size].items()
+            if k != "block_size"} if "model_size" in given else {}
     want.update({k: getattr(args, k) for k in ("n_layer", "n_head", "n_embd") if k in given})
     for key, value in want.items():
         if value != getattr(cfg, key):
@@ -179,7 +180,8 @@ def check_state_dict(sd: dict, cfg: gpt.GPTConfig, where: str):
     missing = sorted(set(want) - set(sd))
     unexpected = sorted(set(sd) - set(want))
     if missing or unexpected:
-        raise UserError(f"{where} does not match a {cfg.n_layer}-layer GPT-2: missing {missing[:4]}, unexpected {unexpected[:4]}")
+        raise UserError(f"{where} does not match a {cfg.n_layer}-layer GPT-2: missing {missing[:4]}, unexpected "
+                        f"{unexpected[:4]}")
     for k, shape in want.items():
         if tuple(sd[k].shape) != shape:
             raise UserError(f"{where}: tensor {k} has shape {tuple(sd[k].shape)}, config.json implies {shape}")
@@ -192,7 +194,8 @@ def save_training_state(out_dir: str, state: dict):
 def load_training_state(out_dir: str) -> dict:
     path = os.path.join(out_dir, STATE)
     if not os.path.isfile(path):
-        raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass the --out-dir of an earlier run")
+        raise UserError(f"--resume: {path} does not exist; run without --resume first, or pass the --out-dir of an "
+                        "earlier run")
     try:
         # weights_only=True: unpickling arbitrary objects can run code; tensors and dicts cannot.
         return torch.load(path, map_location="cpu", weights_only=True)
@@ -243,7 +246,8 @@ def read_tensor(f, entry: dict, data_start: int) -> torch.Tensor:
     buf = bytearray(end - begin)
     f.seek(data_start + begin)
     if f.readinto(buf) != len(buf):
-        raise UserError(f"{f.name} is truncated (a tensor's bytes end past the end of the file); download or save it again")
+        raise UserError(f"{f.name} is truncated (a tensor's bytes end past the end of the file); download or save it "
+                        "again")
     dtype = SAFETENSORS_DTYPES[entry["dtype"]]
     t = torch.frombuffer(buf, dtype=dtype) if buf else torch.empty(0, dtype=dtype)
     return t.reshape(entry["shape"])

@@ -78,7 +78,8 @@ def _list_source(source: str):
     if source in ("stdlib", "stdlib-tests"):
         return source, sysconfig.get_paths()["stdlib"], stdlib_files(tests=source == "stdlib-tests")
     if not os.path.exists(source):
-        raise UserError(f"data path {source!r} does not exist; pass a text file, a directory of text files or a prepared shard directory")
+        raise UserError(f"data path {source!r} does not exist; pass a text file, a directory of text files or a "
+                        "prepared shard directory")
     if os.path.isfile(source):
         return os.path.basename(source), os.path.dirname(os.path.abspath(source)), [os.path.basename(source)]
     files = []
@@ -341,7 +342,8 @@ def load_meta(path: str) -> dict:
     if meta.get("format") != FORMAT:
         raise UserError(f"{meta_path} has format {meta.get('format')!r}, expected {FORMAT!r}; prepare the data again")
     if meta.get("vocab_size") != tokenizer.VOCAB_SIZE or meta.get("dtype") != "uint16":
-        raise UserError(f"{meta_path} was made with vocab {meta.get('vocab_size')} / {meta.get('dtype')}, expected GPT-2's 50257 / uint16")
+        raise UserError(f"{meta_path} was made with vocab {meta.get('vocab_size')} / {meta.get('dtype')}, expected "
+                        "GPT-2's 50257 / uint16")
     return meta
 
 

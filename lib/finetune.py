@@ -40,7 +40,8 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
     g = p.add_argument_group("data")
     g.add_argument("--data", default=DEFAULT_DATA, help="a text file, a directory of text files, a prepared shard "
                    "directory, or 'stdlib-tests' (the Python stdlib's own tests, which pretraining left out)")
-    g.add_argument("--cache-dir", default=data.default_cache_dir(), help="where prepared shards and hub downloads are kept")
+    g.add_argument("--cache-dir", default=data.default_cache_dir(),
+                   help="where prepared shards and hub downloads are kept")
     g = p.add_argument_group("base model")
     g.add_argument("--init-from", help=f"the frozen base: a Hugging Face GPT-2 directory or a hub id (gpt2, "
                    f"gpt2-medium, gpt2-large, gpt2-xl, org/name); when not given, {DEFAULT_BASE}, what train.py writes")
@@ -52,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
     g.add_argument("--lora-dropout", type=guards.probability, default=LORA_DEFAULTS["dropout"],
                    help="dropout on the LoRA path's input, in [0, 1)")
     g.add_argument("--lora-targets", nargs="+", default=LORA_DEFAULTS["targets"], metavar="NAME",
-                   help=f"modules to adapt, from {', '.join(TARGET_CHOICES)} (c_proj = both attn.c_proj and mlp.c_proj)")
+                   help=f"modules to adapt, from {', '.join(TARGET_CHOICES)} (c_proj = both attn.c_proj and "
+                        "mlp.c_proj)")
     g.add_argument("--rslora", action="store_true", help="scale by alpha / sqrt(r) (rank-stabilised LoRA)")
     g.add_argument("--adapter", help="start from this saved adapter directory (its r, alpha and targets); "
                    "with --steps 0 it is only evaluated and sampled; when not given, a new adapter (B = 0)")
@@ -214,7 +216,8 @@ def load_base(model_dir: str, device, convert_linear=None) -> gpt.GPT:
                     linear.weight = nn.Parameter(parts["weight"].to(device, torch.float32), requires_grad=False)
                     if cfg.bias:
                         linear.bias = nn.Parameter(parts["bias"].to(device, torch.float32), requires_grad=False)
-                    replace_submodule(model, module_name, convert_linear(module_name, linear) if convert_linear else linear)
+                    replace_submodule(model, module_name, convert_linear(module_name, linear)
+                                      if convert_linear else linear)
                     del pending[module_name], linear, parts
     model.load_state_dict(rest, strict=False, assign=True)
     model.lm_head.weight = model.transformer.wte.weight
@@ -285,7 +288,8 @@ def check_adapter(adapter_dir: str, cfg: gpt.GPTConfig) -> dict:
              f"save or download the adapter again")
     bad = guards.nonfinite(tensors)
     if bad:
-        fail(f"{path} holds NaN or inf in {len(bad)} tensors (e.g. {bad[0]!r}); it cannot be used, pick an earlier adapter")
+        fail(f"{path} holds NaN or inf in {len(bad)} tensors (e.g. {bad[0]!r}); it cannot be used, pick an earlier "
+             "adapter")
     return settings
 
 

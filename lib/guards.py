@@ -153,7 +153,8 @@ def check_memory(estimate_bytes: int, device: torch.device, force: bool, hint: s
     available, what = available_memory(device)
     if available is not None and estimate_bytes > MARGIN * available:
         raise UserError(f"the memory estimate ({format_bytes(estimate_bytes)}) exceeds the {format_bytes(available)} "
-                        f"of {what} on {device}; {hint}, or pass --force to try anyway (--estimate-memory shows the breakdown)")
+                        f"of {what} on {device}; {hint}, or pass --force to try anyway (--estimate-memory shows the "
+                        "breakdown)")
 
 
 # --- resume ---------------------------------------------------------------------------------------

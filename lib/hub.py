@@ -40,7 +40,8 @@ def _fetch(url: str, dest: str, log):
     tmp = dest + ".incomplete"
     try:
         # urllib follows the hub's redirect to its file CDN by itself.
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers), timeout=60) as resp, open(tmp, "wb") as f:
+        request = urllib.request.Request(url, headers=headers)
+        with urllib.request.urlopen(request, timeout=60) as resp, open(tmp, "wb") as f:
             total = int(resp.headers.get("Content-Length") or 0)
             done, next_report = 0, 0
             while chunk := resp.read(1 << 20):
@@ -100,7 +101,8 @@ def looks_like_path(name: str) -> bool:
     return bool(parent) and os.path.isdir(parent)
 
 
-def resolve_pretrained(name_or_dir: str, cache_dir: str, filenames=("config.json", "model.safetensors"), log=print) -> str:
+def resolve_pretrained(name_or_dir: str, cache_dir: str,
+                       filenames=("config.json", "model.safetensors"), log=print) -> str:
     """A local directory as it is; a hub id (gpt2, gpt2-medium, org/name) downloaded into the cache."""
     if os.path.isdir(name_or_dir):
         return name_or_dir
@@ -159,8 +161,8 @@ def download_first(repo_id: str, filenames, cache_dir: str, revision: str = "mai
         if os.path.isfile(os.path.join(local, name)):
             return os.path.join(local, name)
     if offline():
-        raise UserError(f"HF_HUB_OFFLINE is set and {repo_id} is not in the cache ({local} has none of {list(filenames)}); "
-                        f"unset HF_HUB_OFFLINE once to download it, or pass a local directory")
+        raise UserError(f"HF_HUB_OFFLINE is set and {repo_id} is not in the cache ({local} has none of "
+                        f"{list(filenames)}); unset HF_HUB_OFFLINE once to download it, or pass a local directory")
     for name in filenames:
         if not _missing_on_hub(repo_id, name, revision):
             return os.path.join(download(repo_id, [name], cache_dir, revision, log), name)
@@ -183,7 +185,8 @@ def download_model(repo_id: str, cache_dir: str, optional=(), revision: str = "m
                 with open(index) as f:
                     shards = sorted(set(json.load(f)["weight_map"].values()))
             except (ValueError, KeyError, TypeError, AttributeError) as e:
-                raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); delete it and download again") from None
+                raise UserError(f"{index} is not a safetensors index ({type(e).__name__}); delete it and download "
+                                "again") from None
             download(repo_id, shards, cache_dir, revision, log)
         else:
             if not offline() and not os.path.isfile(os.path.join(local, "model.safetensors")) \

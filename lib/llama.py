@@ -447,7 +447,8 @@ def weight_files(model_dir: str) -> dict[str, str]:
             with open(index) as f:
                 weight_map = json.load(f)["weight_map"]
         except (json.JSONDecodeError, KeyError, TypeError) as e:
-            raise UserError(f"{index} is not a safetensors index ({type(e).__name__}: {e}); download it again") from None
+            raise UserError(f"{index} is not a safetensors index ({type(e).__name__}: {e}); download it "
+                            "again") from None
         return {name: os.path.join(model_dir, shard) for name, shard in weight_map.items()}
     single = os.path.join(model_dir, "model.safetensors")
     if not os.path.isfile(single):
@@ -527,7 +528,8 @@ def load_pretrained(model_dir: str, dtype=torch.float32, device="cpu", convert_l
                     linear.weight = nn.Parameter(parts["weight"], requires_grad=False)
                     if meta.bias is not None:
                         linear.bias = nn.Parameter(parts["bias"], requires_grad=False)
-                    replace_submodule(model, module_name, convert_linear(module_name, linear) if convert_linear else linear)
+                    replace_submodule(model, module_name, convert_linear(module_name, linear)
+                                      if convert_linear else linear)
                     del pending[module_name], linear, parts
     model.load_state_dict(rest, strict=False, assign=True)
     if cfg.tie_word_embeddings:

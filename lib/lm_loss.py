@@ -73,8 +73,8 @@ def chunk_rows(n: int, chunk_size: int) -> int:
 
 # The chunk buffers are kept between calls, one per device, dtype and vocabulary (the largest asked for
 # so far). A fresh [rows, vocab] buffer of tens of MB every step would be fresh pages from the kernel
-# every step, each 4 KiB zeroed on its first touch: most of the system time of the plain loss (docs/big_vocab_loss.md). On CUDA the
-# caching allocator would reuse the block anyway; on a CPU this is what reuses it.
+# every step, each 4 KiB zeroed on its first touch: most of the system time of the plain loss (docs/big_vocab_loss.md).
+# On CUDA the caching allocator would reuse the block anyway; on a CPU this is what reuses it.
 _WORKSPACE = {}
 
 

@@ -176,7 +176,8 @@ def format_table(estimate: dict, measured: int = None, measured_label: str = "me
     total = sum(estimate.values())
     lines.append(f"  {'total (predicted peak)':<{width}}{format_bytes(total):>12}")
     if measured is not None:
-        lines.append(f"  {measured_label:<{width}}{format_bytes(measured):>12}   ({measured / max(total, 1):.2f}x the estimate)")
+        lines.append(f"  {measured_label:<{width}}{format_bytes(measured):>12}   ({measured / max(total, 1):.2f}x the "
+                     "estimate)")
     return "\n".join(lines)
 
 
@@ -249,7 +250,8 @@ def nf4_bytes(numel: int, block_size: int = 64, double_quant: bool = True) -> in
 def lora_layers_in_block(targets) -> list:
     """The block linears a target list selects, by PEFT's rule (equal, or ending in "." + target); a full
     path such as transformer.h.0.attn.c_attn counts as its kind in every block (an upper bound)."""
-    return [n for n in BLOCK_LINEAR_SHAPES if any(n == t or n.endswith("." + t) or t.endswith("." + n) for t in targets)]
+    return [n for n in BLOCK_LINEAR_SHAPES if any(n == t or n.endswith("." + t)
+                                                  or t.endswith("." + n) for t in targets)]
 
 
 def lora_activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool, targets, r: int,
@@ -321,12 +323,14 @@ def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, d
     other = cfg.vocab_size * C + cfg.block_size * C + (2 * L + 1) * C * (2 if cfg.bias else 1)
     if base == "nf4":
         base_label = "base weights (NF4 blocks, fp32 embeddings)"
-        base_bytes = L * sum(nf4_bytes(i * o, nf4_block_size, double_quant) for i, o in linears) + (linear_biases + other) * 4
+        base_bytes = (L * sum(nf4_bytes(i * o, nf4_block_size, double_quant) for i, o in linears)
+                      + (linear_biases + other) * 4)
     else:
         width = 4 if base == "fp32" else 2
         base_label = f"base weights ({base} blocks, fp32 embeddings)"
         base_bytes = (linear_weights + linear_biases) * width + other * 4
-    n_lora = L * r * sum(BLOCK_LINEAR_SHAPES[n][0] * C + BLOCK_LINEAR_SHAPES[n][1] * C for n in lora_layers_in_block(targets))
+    n_lora = L * r * sum(BLOCK_LINEAR_SHAPES[n][0] * C + BLOCK_LINEAR_SHAPES[n][1] * C
+                         for n in lora_layers_in_block(targets))
     lora_name = {4: "fp32", 2: "bf16"}.get(lora_bytes, f"{lora_bytes} B")
     estimate = {
         base_label: base_bytes,
@@ -334,7 +338,8 @@ def estimate_lora_finetuning(cfg: GPTConfig, batch_size: int, block_size: int, d
         f"LoRA gradients ({lora_name})": n_lora * lora_bytes,
         f"AdamW moments (2 x {lora_name})": 2 * n_lora * lora_bytes,
         "activations" + (" (checkpointed: block inputs + one block)" if checkpointing else ""):
-            lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout, device_type, checkpointing),
+            lora_activation_bytes(cfg, batch_size, block_size, amp, targets, r, lora_dropout,
+                                  device_type, checkpointing),
         LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, amp, train_head=False),
     }
     # The peak comes in backward, at the top block's MLP, while its gradients are in flight: the residual

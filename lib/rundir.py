@@ -56,8 +56,8 @@ CHECKPOINTS = "checkpoints"  # OUT/checkpoints/step-000100: one complete checkpo
 MAX_SKIPPED = 10  # updates in a row skipped for a non-finite gradient before the run stops
 
 # Flags that say how to run this invocation, not what the run is: they never come from the saved run.
-PER_INVOCATION = ("out_dir", "output_dir", "resume", "auto_resume", "keep_last", "overwrite", "force", "estimate_memory",
-                  "cache_dir", "device")
+PER_INVOCATION = ("out_dir", "output_dir", "resume", "auto_resume", "keep_last", "overwrite", "force",
+                  "estimate_memory", "cache_dir", "device")
 
 
 @dataclasses.dataclass
@@ -372,7 +372,8 @@ def safetensors_metadata(path: str) -> dict:
     except (ValueError, KeyError, TypeError, IndexError, AttributeError, OSError) as e:
         raise damaged(path, f"not a safetensors file: {type(e).__name__}") from None
     if 8 + n + end > os.path.getsize(path):
-        raise damaged(path, f"truncated: its tensors end at byte {8 + n + end:,}, the file has {os.path.getsize(path):,}")
+        raise damaged(path,
+                      f"truncated: its tensors end at byte {8 + n + end:,}, the file has {os.path.getsize(path):,}")
     return header.get("__metadata__") or {}
 
 

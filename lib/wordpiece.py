@@ -42,7 +42,8 @@ import torch
 from lib.checkpoint import atomic_write, save_json
 from lib.errors import UserError
 
-SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]", "mask_token": "[MASK]"}
+SPECIALS = {"pad_token": "[PAD]", "unk_token": "[UNK]", "cls_token": "[CLS]", "sep_token": "[SEP]",
+            "mask_token": "[MASK]"}
 MAX_CHARS_PER_WORD = 100  # longer "words" (URLs, base64, minified code) become one [UNK]
 BERT_CLASSES = {"BertTokenizer", "BertTokenizerFast", "DistilBertTokenizer", "DistilBertTokenizerFast"}
 AS_FILE_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}  # transformers runs tokenizer.json as written
@@ -51,14 +52,16 @@ AS_FILE_CLASSES = {"PreTrainedTokenizerFast", "TokenizersBackend"}  # transforme
 # ---- character classes, as the tokenizers library (Rust) defines them ----
 
 # Unicode's White_Space, what Rust's char::is_whitespace tests. (Python's str.split() also cuts at \x1c-\x1f.)
-WHITESPACE = "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a\u2028\u2029\u202f\u205f\u3000"
+WHITESPACE = ("\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009\u200a"
+              "\u2028\u2029\u202f\u205f\u3000")
 
 
 def _is_cjk(cp: int) -> bool:
     """The CJK Unified Ideographs blocks (not Hangul, Hiragana or Katakana, which are written with
     spaces). 0x2B920, not 0x2B820: the tokenizers library's table, which transformers follows."""
     return (0x4E00 <= cp <= 0x9FFF or 0x3400 <= cp <= 0x4DBF or 0x20000 <= cp <= 0x2A6DF or 0x2A700 <= cp <= 0x2B73F
-            or 0x2B740 <= cp <= 0x2B81F or 0x2B920 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF or 0x2F800 <= cp <= 0x2FA1F)
+            or 0x2B740 <= cp <= 0x2B81F or 0x2B920 <= cp <= 0x2CEAF or 0xF900 <= cp <= 0xFAFF
+            or 0x2F800 <= cp <= 0x2FA1F)
 
 
 def _is_punctuation(ch: str) -> bool:
@@ -180,8 +183,9 @@ def compile_normalizer(spec, where: str):
             return lambda text: regex.sub(content.replace("\\", "\\\\"), text)
     if kind == "Prepend":
         return lambda text: spec["prepend"] + text if text else text
-    raise UserError(f"{where}: normalizer {kind or repr(spec)} is not supported (BertNormalizer, Sequence, NFC, NFD, NFKC, "
-                    f"NFKD, Lowercase, StripAccents, Strip, Replace, Prepend are); this is not a BERT-family tokenizer")
+    raise UserError(f"{where}: normalizer {kind or repr(spec)} is not supported (BertNormalizer, Sequence, NFC, NFD, "
+                    "NFKC, NFKD, Lowercase, StripAccents, Strip, Replace, Prepend are); this is not a BERT-family "
+                    "tokenizer")
 
 
 def _chain(steps, text):
@@ -295,14 +299,14 @@ def template_ids(spec, where: str) -> tuple:
             items = spec["single"]
             seq = [i for i, item in enumerate(items) if "Sequence" in item]
             if len(seq) == 1:
-                ids = [[int(x) for x in spec["special_tokens"][item["SpecialToken"]["id"]]["ids"]] if "SpecialToken" in item
-                       else None for item in items]
+                ids = [[int(x) for x in spec["special_tokens"][item["SpecialToken"]["id"]]["ids"]]
+                       if "SpecialToken" in item else None for item in items]
                 return sum(ids[:seq[0]], []), sum(ids[seq[0] + 1:], [])
     except (KeyError, IndexError, TypeError, ValueError) as e:
-        raise UserError(f"{where}: post_processor {kind} is malformed ({type(e).__name__}: {e}); restore tokenizer.json "
-                        f"from the model's repository") from None
-    raise UserError(f"{where}: post_processor {kind or repr(spec)} is not supported (TemplateProcessing with one sequence, "
-                    f"BertProcessing, RobertaProcessing, Sequence are)")
+        raise UserError(f"{where}: post_processor {kind} is malformed ({type(e).__name__}: {e}); restore "
+                        f"tokenizer.json from the model's repository") from None
+    raise UserError(f"{where}: post_processor {kind or repr(spec)} is not supported (TemplateProcessing with one "
+                    f"sequence, BertProcessing, RobertaProcessing, Sequence are)")
 
 
 def bert_template(cls_token: str, cls_id: int, sep_token: str, sep_id: int) -> dict:
@@ -339,7 +343,8 @@ class WordPiece:
                  max_input_chars_per_word=MAX_CHARS_PER_WORD, where="vocab.txt"):
         self.where = where
         self.ids_to_tokens = list(tokens)
-        self.vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens) if tok is not None}  # a repeated line keeps its last id
+        # a repeated line keeps its last id
+        self.vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens) if tok is not None}
         self.specials = {**SPECIALS, **(specials or {})}
         self.prefix, self.max_chars = prefix, int(max_input_chars_per_word)
         self.model_max_length = int(model_max_length)
@@ -349,21 +354,26 @@ class WordPiece:
         # The special tokens are added tokens too (kept whole wherever they appear), unless listed with other flags.
         self._add_tokens([*added_tokens, *(t for t in self.specials.values() if t in self.vocab)])
         self.pad_id = self._require("pad_token")
-        self.cls_id, self.sep_id, self.mask_id = (self.vocab.get(self.specials[n]) for n in ("cls_token", "sep_token", "mask_token"))
+        self.cls_id, self.sep_id, self.mask_id = (self.vocab.get(self.specials[n])
+                                                  for n in ("cls_token", "sep_token", "mask_token"))
 
         # The pipeline, kept as tokenizer.json's dicts (save() writes them back) and compiled to functions.
-        self.normalizer = bert_normalizer(do_lower_case, strip_accents, tokenize_chinese_chars) if normalizer == self.BERT else normalizer
+        if normalizer == self.BERT:
+            normalizer = bert_normalizer(do_lower_case, strip_accents, tokenize_chinese_chars)
+        self.normalizer = normalizer
         self.pre_tokenizer = {"type": "BertPreTokenizer"} if pre_tokenizer == self.BERT else pre_tokenizer
         if post_processor == self.BERT:
             self._require("cls_token"), self._require("sep_token")
-            post_processor = bert_template(self.specials["cls_token"], self.cls_id, self.specials["sep_token"], self.sep_id)
+            post_processor = bert_template(self.specials["cls_token"], self.cls_id,
+                                           self.specials["sep_token"], self.sep_id)
         self.post_processor = post_processor
         self.normalize = compile_normalizer(self.normalizer, where)
         self.pre_tokenize = compile_pre_tokenizer(self.pre_tokenizer, where)
         self.before_ids, self.after_ids = template_ids(self.post_processor, where)
         bad = [i for i in self.before_ids + self.after_ids if not 0 <= i < self.vocab_size]
         if bad:
-            raise UserError(f"{where}: the post_processor adds id {bad[0]}, outside the vocabulary of {self.vocab_size}")
+            raise UserError(f"{where}: the post_processor adds id {bad[0]}, outside the vocabulary of "
+                            f"{self.vocab_size}")
         self._raw_matcher, self._normalized_matcher = self._added_matcher(False), self._added_matcher(True)
         self._cache = {}
 
@@ -386,19 +396,23 @@ class WordPiece:
             t.setdefault("normalized", not t.get("special", False))
             if content in self.vocab:
                 t["id"] = self.vocab[content]
-            elif not isinstance(t.get("id"), int) or t["id"] < len(self.ids_to_tokens) and self.ids_to_tokens[t["id"]] is not None:
+            elif (not isinstance(t.get("id"), int)
+                  or t["id"] < len(self.ids_to_tokens) and self.ids_to_tokens[t["id"]] is not None):
                 t["id"] = len(self.ids_to_tokens)  # a new token: the next free id, as the tokenizers library gives it
             while len(self.ids_to_tokens) <= t["id"]:
                 self.ids_to_tokens.append(None)
             self.ids_to_tokens[t["id"]] = content
             self.vocab[content] = t["id"]
-            self.added[content] = {k: t.get(k, False) for k in ("id", "content", "single_word", "lstrip", "rstrip", "normalized", "special")}
+            self.added[content] = {k: t.get(k, False)
+                                   for k in ("id", "content", "single_word", "lstrip", "rstrip",
+                                             "normalized", "special")}
         self.special_ids = {t["id"] for t in self.added.values() if t["special"]}
 
     def _added_matcher(self, normalized: bool):
         """(regex, text -> token) for the added tokens matched in the raw (or the normalized) text.
         Alternatives longest first, so at each position the longest token wins (leftmost-longest)."""
-        by_text = {(self.normalize(c) if normalized else c): t for c, t in self.added.items() if t["normalized"] == normalized}
+        by_text = {(self.normalize(c) if normalized else c): t for c, t in self.added.items()
+                   if t["normalized"] == normalized}
         by_text.pop("", None)
         if not by_text:
             return None, {}
@@ -543,19 +557,23 @@ class WordPiece:
         n = self.normalizer or {}
         return (n.get("type") == "BertNormalizer" and n.get("clean_text", True) is True
                 and (self.pre_tokenizer or {}).get("type") == "BertPreTokenizer"
-                and (self.before_ids, self.after_ids) == ([self.cls_id], [self.sep_id]) and None not in (self.cls_id, self.sep_id)
-                and self.prefix == "##" and self.max_chars == MAX_CHARS_PER_WORD)
+                and (self.before_ids, self.after_ids) == ([self.cls_id], [self.sep_id])
+                and None not in (self.cls_id, self.sep_id) and self.prefix == "##"
+                and self.max_chars == MAX_CHARS_PER_WORD)
 
     def to_tokenizer_json(self) -> dict:
         """The pipeline as tokenizer.json, loadable by the tokenizers library and transformers."""
         model_vocab = {tok: i for i, tok in enumerate(self.ids_to_tokens[: self.model_size]) if tok is not None}
         return {"version": "1.0", "truncation": None, "padding": None,
-                "added_tokens": sorted(({k: t[k] for k in ("id", "content", "single_word", "lstrip", "rstrip", "normalized", "special")}
+                "added_tokens": sorted(({k: t[k] for k in ("id", "content", "single_word", "lstrip", "rstrip",
+                                                           "normalized", "special")}
                                         for t in self.added.values()), key=lambda t: t["id"]),
-                "normalizer": self.normalizer, "pre_tokenizer": self.pre_tokenizer, "post_processor": self.post_processor,
+                "normalizer": self.normalizer, "pre_tokenizer": self.pre_tokenizer,
+                "post_processor": self.post_processor,
                 "decoder": {"type": "WordPiece", "prefix": self.prefix, "cleanup": True},
-                "model": {"type": "WordPiece", "unk_token": self.specials["unk_token"], "continuing_subword_prefix": self.prefix,
-                          "max_input_chars_per_word": self.max_chars, "vocab": dict(sorted(model_vocab.items(), key=lambda kv: kv[1]))}}
+                "model": {"type": "WordPiece", "unk_token": self.specials["unk_token"],
+                          "continuing_subword_prefix": self.prefix, "max_input_chars_per_word": self.max_chars,
+                          "vocab": dict(sorted(model_vocab.items(), key=lambda kv: kv[1]))}}
 
     def save(self, out_dir: str):
         """tokenizer.json (the whole pipeline), vocab.txt (for tools that read only that),
@@ -565,9 +583,11 @@ class WordPiece:
             self.to_tokenizer_json(), ensure_ascii=False, indent=2)))
         model_tokens = self.ids_to_tokens[: self.model_size]
         if None not in model_tokens and not any("\n" in t or "\r" in t for t in model_tokens):
-            atomic_write(os.path.join(out_dir, "vocab.txt"), lambda tmp: _write_text(tmp, "".join(t + "\n" for t in model_tokens)))
+            atomic_write(os.path.join(out_dir, "vocab.txt"),
+                         lambda tmp: _write_text(tmp, "".join(t + "\n" for t in model_tokens)))
         specials = {k: v for k, v in self.specials.items() if v in self.vocab}
-        extra = sorted((c for c, t in self.added.items() if t["special"] and c not in specials.values()), key=self.vocab.get)
+        extra = sorted((c for c, t in self.added.items() if t["special"]
+                        and c not in specials.values()), key=self.vocab.get)
         if extra:
             specials["additional_special_tokens"] = extra
         config = {"tokenizer_class": "BertTokenizer" if self.is_bert_standard() else "PreTrainedTokenizerFast"}
@@ -575,8 +595,11 @@ class WordPiece:
             n = self.normalizer
             config.update(do_lower_case=n.get("lowercase", True), strip_accents=n.get("strip_accents"),
                           tokenize_chinese_chars=n.get("handle_chinese_chars", True))
-        config.update(model_max_length=self.model_max_length, clean_up_tokenization_spaces=self.clean_up_tokenization_spaces,
-                      **specials, added_tokens_decoder={str(t["id"]): {k: t[k] for k in ("content", "lstrip", "normalized", "rstrip", "single_word", "special")}
+        config.update(model_max_length=self.model_max_length,
+                      clean_up_tokenization_spaces=self.clean_up_tokenization_spaces, **specials,
+                      added_tokens_decoder={str(t["id"]): {k: t[k]
+                                                           for k in ("content", "lstrip", "normalized", "rstrip",
+                                                                     "single_word", "special")}
                                                         for t in sorted(self.added.values(), key=lambda t: t["id"])})
         save_json(os.path.join(out_dir, "tokenizer_config.json"), config)
         save_json(os.path.join(out_dir, "special_tokens_map.json"), specials)
@@ -607,9 +630,11 @@ def _read_json(path: str) -> dict:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise UserError(f"{path} is not valid JSON ({e}); restore it from the model's repository or delete it") from None
+        raise UserError(f"{path} is not valid JSON ({e}); restore it from the model's repository or delete "
+                        "it") from None
     if not isinstance(obj, dict):
-        raise UserError(f"{path} holds a {type(obj).__name__}, not a JSON object; restore it from the model's repository")
+        raise UserError(f"{path} holds a {type(obj).__name__}, not a JSON object; restore it from the model's "
+                        "repository")
     return obj
 
 
@@ -632,14 +657,17 @@ def _read_tokenizer_json(path: str) -> tuple:
     if not isinstance(model, dict):
         raise UserError(f"{path} has no \"model\" section; it is not a tokenizers tokenizer.json (restore it from the "
                         f"model's repository)")
-    # Files written by old tokenizers versions leave out the model's "type"; WordPiece is the one with a prefix and no merges.
-    kind = model.get("type") or ("WordPiece" if "continuing_subword_prefix" in model and "merges" not in model else None)
+    # Files written by old tokenizers versions leave out the model's "type"; WordPiece is the one with a prefix and no
+    # merges.
+    kind = model.get("type") or ("WordPiece" if "continuing_subword_prefix" in model
+                                 and "merges" not in model else None)
     if kind != "WordPiece":
         raise UserError(f"{path}: model type {kind or 'unknown'} is not WordPiece; this loader reads BERT-family "
                         f"(WordPiece) tokenizers, as SPLADE's BERT and DistilBERT models use")
     vocab = model.get("vocab")
     if not isinstance(vocab, dict) or not vocab or not all(isinstance(i, int) and i >= 0 for i in vocab.values()):
-        raise UserError(f"{path}: model.vocab is not a map of tokens to ids; restore tokenizer.json from the model's repository")
+        raise UserError(f"{path}: model.vocab is not a map of tokens to ids; restore tokenizer.json from the model's "
+                        "repository")
     tokens = [None] * (max(vocab.values()) + 1)
     for tok, i in vocab.items():
         tokens[i] = tok
@@ -717,8 +745,10 @@ def load_tokenizer(model_dir: str, log=print) -> WordPiece:
                 specials["pad_token"] = pad
             return WordPiece(tokens, specials=specials, added_tokens=config_added + _file_tokens(tj), **common,
                              normalizer=tj.get("normalizer"), pre_tokenizer=tj.get("pre_tokenizer"),
-                             post_processor=tj.get("post_processor"), prefix=model.get("continuing_subword_prefix", "##"),
-                             max_input_chars_per_word=model.get("max_input_chars_per_word", MAX_CHARS_PER_WORD), where=tj_path)
+                             post_processor=tj.get("post_processor"),
+                             prefix=model.get("continuing_subword_prefix", "##"),
+                             max_input_chars_per_word=model.get("max_input_chars_per_word", MAX_CHARS_PER_WORD),
+                             where=tj_path)
         added, where = config_added + _file_tokens(tj), tj_path
     else:
         tj, tokens, added, where = None, _read_vocab_txt(vocab_path), config_added, vocab_path
@@ -727,10 +757,11 @@ def load_tokenizer(model_dir: str, log=print) -> WordPiece:
     tok = WordPiece(tokens, do_lower_case=config.get("do_lower_case", True), strip_accents=config.get("strip_accents"),
                     tokenize_chinese_chars=config.get("tokenize_chinese_chars", True), specials=specials,
                     added_tokens=added, **common, where=where)
-    ignored = [f"{k}={config[k]!r}" for k in ("do_basic_tokenize", "never_split") if config.get(k) not in (None, True, [])]
+    ignored = [f"{k}={config[k]!r}" for k in ("do_basic_tokenize", "never_split")
+               if config.get(k) not in (None, True, [])]
     if ignored:
-        log(f"note: {model_dir}/tokenizer_config.json sets {', '.join(ignored)}, which transformers' BertTokenizer (and "
-            f"so AutoTokenizer and this loader) ignores; only its Python BertTokenizerLegacy honours it")
+        log(f"note: {model_dir}/tokenizer_config.json sets {', '.join(ignored)}, which transformers' BertTokenizer "
+            f"(and so AutoTokenizer and this loader) ignores; only its Python BertTokenizerLegacy honours it")
     if tj is not None:
         differs = _differences(tj, tok)
         if differs:
@@ -773,14 +804,16 @@ def _differences(tj: dict, tok: WordPiece) -> list:
 def _short(spec) -> str:
     if not isinstance(spec, dict):
         return "null"
-    return spec.get("type", "?") + ("(" + ", ".join(f"{k}={v}" for k, v in spec.items() if k != "type" and not isinstance(v, (dict, list))) + ")"
+    return spec.get("type", "?") + ("(" + ", ".join(f"{k}={v}" for k, v in spec.items() if k != "type"
+                                                    and not isinstance(v, (dict, list))) + ")"
                                     if spec.get("type") == "BertNormalizer" else "")
 
 
 def _describe(tok: WordPiece) -> str:
     n = tok.normalizer
-    return (f"lowercase={n['lowercase']}, strip_accents={n['strip_accents']}, handle_chinese_chars={n['handle_chinese_chars']}, "
-            f"BertPreTokenizer, {tok.specials['cls_token']} ... {tok.specials['sep_token']}")
+    return (f"lowercase={n['lowercase']}, strip_accents={n['strip_accents']}, "
+            f"handle_chinese_chars={n['handle_chinese_chars']}, BertPreTokenizer, {tok.specials['cls_token']} ... "
+            f"{tok.specials['sep_token']}")
 
 
 # ---- learning a vocabulary ----

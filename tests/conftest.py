@@ -26,7 +26,8 @@ def pytest_configure(config):
     os.environ) then prepared their data in ~/.cache/byhand."""
     config._byhand_saved_cache = os.environ.get("BYHAND_CACHE")
     # The user's real cache, as the scripts would find it without the tests (test_hardening checks it).
-    config._byhand_real_cache = os.environ.get("BYHAND_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "byhand"))
+    config._byhand_real_cache = os.environ.get("BYHAND_CACHE",
+                                               os.path.join(os.path.expanduser("~"), ".cache", "byhand"))
     config._byhand_cache = tempfile.mkdtemp(prefix="byhand-test-cache-")
     os.environ["BYHAND_CACHE"] = config._byhand_cache
 

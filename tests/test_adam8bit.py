@@ -60,7 +60,8 @@ def test_rounding_is_nearest_with_sign_kept():
         assert torch.all(chosen <= best + 1e-7)  # ties (x at a midpoint) up to float rounding of x - entry
         if signed:  # a negative value never becomes 0 or positive
             assert torch.all(table[codes.long()][x < 0] < 0)
-            assert table[round_to_table(torch.tensor([-1e-30, 0.0]), True).long()].tolist() == [pytest.approx(-0.55e-6), 0.0]
+            rounded = table[round_to_table(torch.tensor([-1e-30, 0.0]), True).long()]
+            assert rounded.tolist() == [pytest.approx(-0.55e-6), 0.0]
 
 
 def test_quantize_matches_bitsandbytes_above_one_percent(golden):

@@ -59,7 +59,8 @@ def test_save_load_round_trip_keeps_hf_names(golden, tmp_path, model_dir):
     model, cfg, _ = bert.load_pretrained(model_dir, log=quiet)
     bert.save_pretrained(model, cfg, str(tmp_path), metadata={"step": 7})
     # The same tensor names transformers' own save_pretrained wrote (tied copies left out, as it does).
-    assert sorted(load_file(str(tmp_path / "model.safetensors"))) == sorted(load_file(os.path.join(model_dir, "model.safetensors")))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(saved) == sorted(load_file(os.path.join(model_dir, "model.safetensors")))
     ours, theirs = (json.loads(open(os.path.join(d, "config.json")).read()) for d in (tmp_path, model_dir))
     for key in ("architectures", "model_type", "vocab_size"):
         assert ours[key] == theirs[key]
@@ -81,7 +82,8 @@ def test_model_made_here_round_trips(tmp_path, kind, model_dir):
             p.add_(torch.randn_like(p) * 0.1)
     bert.save_pretrained(model, cfg, str(tmp_path))
     # Exactly the tensor names transformers wrote for the same architecture (2 layers there too).
-    assert sorted(load_file(str(tmp_path / "model.safetensors"))) == sorted(load_file(os.path.join(model_dir, "model.safetensors")))
+    saved = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(saved) == sorted(load_file(os.path.join(model_dir, "model.safetensors")))
     again, cfg2, _ = bert.load_pretrained(str(tmp_path), log=quiet)
     ids = torch.randint(5, 300, (2, 11))
     mask = torch.ones_like(ids)
@@ -94,7 +96,8 @@ def test_old_checkpoint_formats(golden, tmp_path):
     """pytorch_model.bin (torch.load, weights_only), TF-era LayerNorm.gamma/beta names, an explicit
     decoder weight, a decoder bias instead of cls.predictions.bias, the pooler and NSP head."""
     sd = load_file(os.path.join(BERT_DIR, "model.safetensors"))
-    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v for k, v in sd.items()}
+    old = {k.replace("LayerNorm.weight", "LayerNorm.gamma").replace("LayerNorm.bias", "LayerNorm.beta"): v
+           for k, v in sd.items()}
     old["cls.predictions.decoder.weight"] = sd["bert.embeddings.word_embeddings.weight"].clone()
     old["cls.predictions.decoder.bias"] = old.pop("cls.predictions.bias")
     old["bert.pooler.dense.weight"] = torch.zeros(32, 32)
@@ -117,9 +120,12 @@ def test_old_checkpoint_formats(golden, tmp_path):
 def test_bare_encoder_checkpoint(tmp_path, golden):
     """A BertModel checkpoint (no "bert." prefix, no MLM head), like sentence-transformers' MiniLM."""
     sd = load_file(os.path.join(BERT_DIR, "model.safetensors"))
-    save_file({k.removeprefix("bert."): v for k, v in sd.items() if not k.startswith("cls.")}, str(tmp_path / "model.safetensors"))
+    save_file({k.removeprefix("bert."): v for k, v in sd.items() if not k.startswith("cls.")},
+              str(tmp_path / "model.safetensors"))
     shutil.copy(os.path.join(BERT_DIR, "config.json"), tmp_path)
-    with pytest.raises(UserError, match=r"has no masked-LM head \(missing cls\.predictions\..*use a masked-LM or SPLADE checkpoint"):
+    with pytest.raises(UserError,
+                       match=r"has no masked-LM head \(missing cls\.predictions\..*use a masked-LM or SPLADE "
+                             r"checkpoint"):
         bert.load_pretrained(str(tmp_path), log=quiet)
     notes = []
     model, _, _ = bert.load_pretrained(str(tmp_path), allow_missing_head=True, log=notes.append)
@@ -149,7 +155,9 @@ def test_load_errors_name_the_file_and_tensor(tmp_path):
     sd = load_file(str(weights))
     sd["bert.encoder.layer.1.intermediate.dense.weight"] = torch.zeros(65, 32)
     save_file(sd, str(weights))
-    with pytest.raises(UserError, match=r"model\.safetensors: tensor bert\.encoder\.layer\.1\.intermediate\.dense\.weight has shape \(65, 32\), config\.json implies \(64, 32\)"):
+    with pytest.raises(UserError,
+                       match=r"model\.safetensors: tensor bert\.encoder\.layer\.1\.intermediate\.dense\.weight has "
+                             r"shape \(65, 32\), config\.json implies \(64, 32\)"):
         bert.load_pretrained(str(d), log=quiet)
     del sd["bert.encoder.layer.1.intermediate.dense.weight"]
     save_file(sd, str(weights))
@@ -181,7 +189,8 @@ def test_load_errors_name_the_file_and_tensor(tmp_path):
 def test_config_round_trips_through_hf_names():
     for cfg in (bert.small_config(8192), bert.small_config(500, model_type="distilbert", num_hidden_layers=2)):
         d = bert.config_to_hf(cfg)
-        assert d["architectures"] == [{"bert": "BertForMaskedLM", "distilbert": "DistilBertForMaskedLM"}[cfg.model_type]]
+        assert d["architectures"] == [{"bert": "BertForMaskedLM",
+                                       "distilbert": "DistilBertForMaskedLM"}[cfg.model_type]]
         assert bert.config_from_hf(d) == cfg
     d = bert.config_to_hf(bert.small_config(500, model_type="distilbert"))
     assert (d["dim"], d["n_layers"], d["n_heads"], d["hidden_dim"]) == (256, 4, 4, 1024)
@@ -191,14 +200,15 @@ def test_config_round_trips_through_hf_names():
 
 def test_init_weights_and_tied_decoder():
     torch.manual_seed(0)
-    cfg = bert.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-                          max_position_embeddings=32)
+    cfg = bert.BertConfig(vocab_size=300, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=128, max_position_embeddings=32)
     model = bert.init_weights(bert.build_model(cfg))
     w = model.encoder.layer[0].intermediate.dense.weight
     assert abs(w.std().item() - 0.02) < 0.002 and model.encoder.layer[0].intermediate.dense.bias.abs().sum() == 0
     assert torch.all(model.encoder.layer[1].output.LayerNorm.weight == 1) and model.predictions.bias.abs().sum() == 0
     assert model.embeddings.word_embeddings.weight[cfg.pad_token_id].abs().sum() == 0
-    distil = bert.init_weights(bert.build_model(bert.small_config(300, model_type="distilbert", sinusoidal_pos_embds=True)))
+    distil = bert.init_weights(bert.build_model(bert.small_config(300, model_type="distilbert",
+                                                                  sinusoidal_pos_embds=True)))
     assert distil.vocab_projector.weight is distil.embeddings.word_embeddings.weight
     table = distil.embeddings.position_embeddings.weight
     assert torch.allclose(table[3, :4], torch.tensor([torch.sin(torch.tensor(3.0)), torch.cos(torch.tensor(3.0)),
@@ -212,8 +222,9 @@ def test_init_weights_and_tied_decoder():
 @pytest.mark.parametrize("kind", ["bert", "distilbert"])
 def test_gradient_checkpointing_gives_the_same_gradients(kind):
     torch.manual_seed(0)
-    cfg = bert.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2, intermediate_size=128,
-                          max_position_embeddings=16, model_type=kind, type_vocab_size=0 if kind == "distilbert" else 2)
+    cfg = bert.BertConfig(vocab_size=120, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                          intermediate_size=128, max_position_embeddings=16, model_type=kind,
+                          type_vocab_size=0 if kind == "distilbert" else 2)
     model = bert.init_weights(bert.build_model(cfg)).train()
     ids = torch.randint(5, 120, (3, 10))
     mask = torch.ones_like(ids)
@@ -334,8 +345,8 @@ def test_check_model_dir_reports_every_problem_one_line_each(real_dir, tmp_path)
     lines = str(e.value).split("\nerror: ")
     assert len(lines) == 3, lines
     assert re.search(r"config\.json is not a BERT or DistilBERT config \(model_type 'roberta'", lines[0])
-    assert re.search(r"model\.safetensors is truncated \(17,6\d\d,\d\d\d bytes; its tensors end at byte 17,6\d\d,\d\d\d\); "
-                     r"download or save it again", lines[1])
+    assert re.search(r"model\.safetensors is truncated \(17,6\d\d,\d\d\d bytes; its tensors end at byte "
+                     r"17,6\d\d,\d\d\d\); download or save it again", lines[1])
     assert re.search(r"has neither tokenizer\.json nor vocab\.txt", lines[2])
 
 
@@ -345,13 +356,16 @@ def test_check_model_dir_reports_every_problem_one_line_each(real_dir, tmp_path)
     (lambda d: _shard(d), r"holds a sharded checkpoint"),
     (lambda d: (d / "model.safetensors").unlink(), r"has neither model\.safetensors nor pytorch_model\.bin"),
     (lambda d: (d / "config.json").unlink(), r"config\.json is missing"),
-    (lambda d: _edit_json(d / "config.json", hidden_size=64), r"embeddings\.word_embeddings\.weight has shape \(30522, 128\), "
+    (lambda d: _edit_json(d / "config.json", hidden_size=64),
+     r"embeddings\.word_embeddings\.weight has shape \(30522, 128\), "
                                                               r"config\.json implies \(30522, 64\)"),
     (lambda d: _edit_json(d / "config.json", vocab_size=30000), r"the tokenizer has 30,522 ids but .*config\.json says "
                                                                 r"vocab_size 30,000"),
     (lambda d: _edit_json(d / "tokenizer.json", normalizer={"type": "Precompiled"}) or
-     _edit_json(d / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast"), r"tokenizer\.json: normalizer Precompiled"),
-    (lambda d: _edit_json(d / "tokenizer.json", model={"type": "Unigram", "vocab": []}), r"model type Unigram is not WordPiece"),
+     _edit_json(d / "tokenizer_config.json", tokenizer_class="PreTrainedTokenizerFast"),
+     r"tokenizer\.json: normalizer Precompiled"),
+    (lambda d: _edit_json(d / "tokenizer.json", model={"type": "Unigram", "vocab": []}),
+     r"model type Unigram is not WordPiece"),
     (lambda d: (d / "tokenizer_config.json").write_text("{oops"), r"tokenizer_config\.json is not valid JSON"),
 ])
 def test_check_model_dir_names_the_file_and_what_to_do(real_dir, tmp_path, break_it, match):
@@ -390,13 +404,14 @@ def test_check_model_dir_on_a_hub_id_with_tokenizer_json_only(hub_server, tmp_pa
     repo.mkdir(parents=True)
     for name in ("config.json", "model.safetensors"):
         shutil.copy(os.path.join(DISTIL_DIR, name), repo)
-    tok = wordpiece.WordPiece(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"] + [f"w{i}" for i in range(245)], do_lower_case=False)
+    tok = wordpiece.WordPiece(["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
+                              + [f"w{i}" for i in range(245)], do_lower_case=False)
     tok.save(str(repo))
     (repo / "vocab.txt").unlink()
     monkeypatch.setenv("HF_ENDPOINT", endpoint)
     model_dir = bert.check_model_dir("org/json-splade", cache_dir=str(tmp_path / "cache"), log=quiet)
-    assert sorted(os.listdir(model_dir)) == ["config.json", "model.safetensors", "special_tokens_map.json", "tokenizer.json",
-                                             "tokenizer_config.json"]
+    assert sorted(os.listdir(model_dir)) == ["config.json", "model.safetensors", "special_tokens_map.json",
+                                             "tokenizer.json", "tokenizer_config.json"]
     assert wordpiece.load_tokenizer(model_dir).tokenize("w1 W2") == ["w1", "[UNK]"]
     (repo / "tokenizer.json").unlink()
     with pytest.raises(UserError, match=r"org/no-tokenizer has none of tokenizer\.json, vocab\.txt"):

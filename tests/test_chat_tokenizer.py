@@ -147,7 +147,8 @@ def test_tiny_tokenizer_round_trips_and_agrees_with_merge_priority_bpe(tiny):
     assert ids[0] == 298 and ids[-2] == 299 and tok.decode(ids, skip_special_tokens=True) == "user\nhi\n"
     assert 298 not in tok.encode(CHECK[5])
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True) == \
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        ("<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
 
 
 def test_ids_that_differ_from_merge_order_are_mapped_back(tiny, tmp_path):
@@ -210,7 +211,8 @@ def test_llama3_tiktoken_tokenizer_model(tmp_path, templates):
         assert meta.decode(meta.encode(text)) == text
     assert meta.encode("x", add_special_tokens=True)[0] == n
     assert meta.eos_token_id == n + 9
-    with pytest.raises(UserError, match="has no chat template"):  # Meta's layout carries none; neither would transformers
+    # Meta's layout carries none; neither would transformers
+    with pytest.raises(UserError, match="has no chat template"):
         meta.apply_chat_template([{"role": "user", "content": "x"}])
     # the HF layout: tokenizer_config.json's added_tokens_decoder and the real Llama 3.1 template
     specials = {str(n + k): {"content": s, "special": True} for k, s in enumerate(ct.LLAMA3_SPECIALS)}
@@ -417,7 +419,8 @@ def test_real_template_families_and_their_defaults():
     assert ct.chatml_default_system(qwen2.replace("assistant.<|im_end|>", "assistant<|im_end|>")) == \
         "You are a helpful assistant"
     llama31 = ct.load_tokenizer(os.path.join(REAL, "llama3.1")).template
-    assert ct.llama3_system_preamble(llama31, None) == "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
+    preamble = ct.llama3_system_preamble(llama31, None)
+    assert preamble == "Cutting Knowledge Date: December 2023\nToday Date: 26 Jul 2024\n\n"
     assert ct.llama3_system_preamble(llama31.replace("26 Jul 2024", "01 Jan 2025"), None).endswith("01 Jan 2025\n\n")
 
 
@@ -476,7 +479,8 @@ def test_smollm2_lacks_21_single_bytes_and_drops_them_as_the_tokenizers_library_
     assert tok.encode(text) == tok.encode("x") + tok.encode("y")
     assert tok.decode(tok.encode(real_golden["texts"][17])) == real_golden["texts"][17].translate(
         {b: None for b in missing if b < 0x80})
-    i = real_golden["texts"].index("Control bytes \x04 \x06 \x13 \x14 \x16 \x1d and\x04glued\x1d text, NUL \x00 and BEL \x07.")
+    i = real_golden["texts"].index("Control bytes \x04 \x06 \x13 \x14 \x16 \x1d and\x04glued\x1d text, NUL \x00 and "
+                                   "BEL \x07.")
     assert tok.encode(real_golden["texts"][i]) == real_golden["models"]["smollm2"]["encode"][i]
     for variant, zeros in (("unk_token", 3), ("unk_token_fused", 1)):
         tj = dict(smol_json, model=dict(smol_json["model"], **real_golden["variants"][variant]["change"]["model"]))

@@ -87,7 +87,8 @@ def test_ranks_and_accumulation_partition_the_same_global_batch(tmp_path):
     one = torch.cat([data.Batches(split, 2, 8, grad_accum=4, seed=1).get(5, m)[0] for m in range(4)])
     two = torch.cat([data.Batches(split, 2, 8, grad_accum=2, rank=r, world_size=2, seed=1).get(5, m)[0]
                      for m in range(2) for r in range(2)])
-    four = torch.cat([data.Batches(split, 2, 8, grad_accum=1, rank=r, world_size=4, seed=1).get(5, 0)[0] for r in range(4)])
+    four = torch.cat([data.Batches(split, 2, 8, grad_accum=1, rank=r,
+                                   world_size=4, seed=1).get(5, 0)[0] for r in range(4)])
     assert torch.equal(one, two) and torch.equal(one, four)
 
 
@@ -173,7 +174,8 @@ def test_bad_utf8_deep_inside_a_big_file_names_the_file_and_byte(tmp_path, monke
     f.write_bytes(b"fine line\n" * 100 + b"caf\xe9\n" + b"more\n")
     with pytest.raises(UserError, match=r"mostly.txt is not UTF-8 text \(bad byte at offset 1003\)"):
         data.prepare(str(f), log=lambda *a: None)
-    assert not [p for p in os.listdir(os.path.join(data.default_cache_dir(), "data")) if "mostly" in p and "tmp" not in p]
+    assert not [p for p in os.listdir(os.path.join(data.default_cache_dir(), "data"))
+                if "mostly" in p and "tmp" not in p]
 
 
 # --- nanoGPT's and llm.c's token files, read in place ---------------------------------------------------
@@ -269,7 +271,8 @@ def test_train_py_trains_on_nanogpt_and_llmc_files_as_on_its_own_shards(tmp_path
     for name, d in [("ours", text_dir), ("nanogpt", nano), ("llm.c", llmc)]:
         train.main([*TINY, "--steps", "2", "--eval-interval", "100", "--eval-batches", "1", "--data", str(d),
                     "--out-dir", str(tmp_path / name)])
-        assert f"data: {len(train_ids):,} train tokens (1 file(s)), {len(val_ids):,} val tokens" in capsys.readouterr().out
+        printed = capsys.readouterr().out
+        assert f"data: {len(train_ids):,} train tokens (1 file(s)), {len(val_ids):,} val tokens" in printed
         losses[name] = step_losses(tmp_path / name)
     assert losses["nanogpt"] == losses["ours"] == losses["llm.c"]  # the same windows of the same tokens
 

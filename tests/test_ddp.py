@@ -30,7 +30,8 @@ def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, text_d
     for (s1, v1), (s2, v2) in zip(val_losses(tmp_path / "single"), val_losses(tmp_path / "ddp")):
         assert s1 == s2 and v1 == pytest.approx(v2, abs=1e-5)
     # Only rank 0 writes.
-    assert sorted(os.listdir(tmp_path / "ddp")) == ["checkpoints", "config.json", "metrics.jsonl", "model.safetensors", "training_state.pt"]
+    assert sorted(os.listdir(tmp_path / "ddp")) == ["checkpoints", "config.json", "metrics.jsonl",
+                                                    "model.safetensors", "training_state.pt"]
 
 
 def test_ddp_with_accumulation_uses_no_sync_and_still_matches(tmp_path, text_dir, isolated_cache):

@@ -72,7 +72,8 @@ def test_a_changed_digit_in_any_block_is_caught(page, cached_render):
             m = re.search(r"\d", lines[i])
             if m:
                 digit = m.group()
-                mutated = lines[:i] + [lines[i][:m.start()] + str((int(digit) + 1) % 10) + lines[i][m.end():]] + lines[i + 1:]
+                mutated = lines[:i] + [lines[i][:m.start()] + str((int(digit) + 1) % 10)
+                                       + lines[i][m.end():]] + lines[i + 1:]
                 _, changed = cached_render.render_page("\n".join(mutated))
                 assert {c[0] for c in changed} == stale | {start + 1}, f"{page}:{i + 1}: a changed digit went unnoticed"
                 break
@@ -392,7 +393,8 @@ BY_HAND = [
     ("docs/fsdp2_explained.md", "30 seconds", "torchrun's grace period before it kills the workers, a setting"),
     ("docs/fsdp2_explained.md", "6.2 GB", "1.56B parameters x 4 bytes"),
     ("docs/judge_mps_vs_cuda.md", "128 KiB", "judge_train_cuda.py's heap threshold (cpu_heap_threshold), a setting"),
-    ("docs/memory_optimization.md", "22 MiB", "B_eff (2 + k) x vocabulary x 8 bytes for BERT-base at 32, worked on the page"),
+    ("docs/memory_optimization.md", "22 MiB",
+     "B_eff (2 + k) x vocabulary x 8 bytes for BERT-base at 32, worked on the page"),
     ("docs/pretraining_data.md", "1,600 MB", "the sizes bench/prepare.py is told to prepare: its inputs"),
     ("docs/pretraining_data.md", "8 MB", "the size of the files bench/prepare.py writes: its input"),
     ("docs/qlora_explained.md", "23 GiB", "1.56 billion parameters x 16 bytes, worked on the page"),
@@ -461,7 +463,8 @@ def test_every_transcript_is_on_a_page_and_keeps_no_timing_or_path():
     from docs import transcripts
     sources = {source for page in PAGES for _, _, source in render.blocks(read(page))}
     assert {f"docs.transcripts.render {name}" for name in transcripts.SCENARIOS} <= sources
-    printed = ["model: 2 layers", "step     3/6 | loss 10.4273 | lr 2.67e-04 |   192 tok/s | mem 402.86 MiB | ETA 0m00s",
+    printed = ["model: 2 layers",
+               "step     3/6 | loss 10.4273 | lr 2.67e-04 |   192 tok/s | mem 402.86 MiB | ETA 0m00s",
                "data: 5,420,416 train tokens, /root/.cache/byhand/data/stdlib", "^C", "real\t0m1.2s",
                "interrupted: saved step 4 to OUT; continue with --resume (or --auto-resume)"]
     assert transcripts.tidy("\n".join(printed)) == [

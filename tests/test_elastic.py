@@ -33,7 +33,8 @@ def test_train_saved_by_two_ranks_resumes_on_one_as_the_unbroken_run(tmp_path, t
     train.main([*common, "--grad-accum", "2", "--steps", "6", "--out-dir", str(tmp_path / "one")])
     # The same global batch on 2 ranks for 3 steps, then resumed by a plain process without --grad-accum.
     out = str(tmp_path / "two")
-    proc = conftest.torchrun(["train.py", *common, "--steps", "3", "--out-dir", out], env={"BYHAND_CACHE": isolated_cache})
+    proc = conftest.torchrun(["train.py", *common, "--steps", "3", "--out-dir", out],
+                             env={"BYHAND_CACHE": isolated_cache})
     assert proc.returncode == 0, proc.stderr[-3000:]
     capsys.readouterr()
     train.main(["--resume", "--steps", "6", "--out-dir", out])

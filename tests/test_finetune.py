@@ -23,8 +23,8 @@ from tests.conftest import ROOT, read_metrics, step_losses, val_losses
 
 # Fine-tuning flags for the tiny base (the block size, 32, comes from the base's config.json). fp32
 # explicitly: on a CPU with native bf16, --dtype auto would compute in bf16 (tests/test_dtype.py).
-FT = ["--batch-size", "4", "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1", "--eval-interval", "100",
-      "--dtype", "fp32"]
+FT = ["--batch-size", "4", "--eval-batches", "2", "--sample-tokens", "0", "--log-interval", "1", "--eval-interval",
+      "100", "--dtype", "fp32"]
 SCRIPTS = {"lora": finetune_lora, "qlora": finetune_qlora}
 
 
@@ -182,8 +182,8 @@ def test_estimate_memory_matches_the_loaded_model(base, tmp_path):
 
 
 @pytest.mark.parametrize("targets,amp,dropout", [(["c_attn"], False, 0.0), (["c_attn", "c_proj", "c_fc"], False, 0.0),
-                                                 (["c_fc"], True, 0.0), (["c_proj"], False, 0.1), (["mlp.c_proj"], True, 0.1),
-                                                 (["attn.c_proj"], False, 0.0)])
+                                                 (["c_fc"], True, 0.0), (["c_proj"], False, 0.1),
+                                                 (["mlp.c_proj"], True, 0.1), (["attn.c_proj"], False, 0.0)])
 def test_activation_estimate_matches_what_autograd_keeps(targets, amp, dropout):
     """lora_activation_bytes against the tensors autograd actually saves (counted with saved-tensor hooks)."""
     cfg = gpt.GPTConfig(n_layer=3, n_head=2, n_embd=64, block_size=32)
@@ -223,7 +223,8 @@ def test_estimate_for_gpt2_xl_reads_no_weights(monkeypatch):
     assert 1557e6 * 4 < fp32_base < 1559e6 * 4  # gpt2-xl's 1.558 billion parameters
     block_weights = 48 * 12 * 1600 ** 2
     # 4 bits per weight + int8 absmax per 64 + fp32 scale per 16384, on the block weights only.
-    assert nf4_base == pytest.approx(fp32_base - block_weights * 4 + block_weights * (0.5 + 1 / 64 + 4 / 16384), rel=1e-6)
+    assert nf4_base == pytest.approx(fp32_base - block_weights * 4
+                                     + block_weights * (0.5 + 1 / 64 + 4 / 16384), rel=1e-6)
 
 
 def test_user_mistakes_end_with_one_line(base, lora_run, tmp_path, capsys):
@@ -269,8 +270,8 @@ def test_each_script_holds_its_base_as_its_recipe_says():
     # A and B in bf16 only on a GPU computing in bf16 (the QLoRA paper), unless --lora-dtype says otherwise.
     assert finetune_qlora.recipe_for(args, cuda, torch.bfloat16).lora_dtype == torch.bfloat16
     assert finetune_qlora.recipe_for(args, cuda, torch.float16).lora_dtype == torch.float32
-    args = finetune_qlora.make_parser().parse_args(["--lora-dtype", "fp32", "--dtype", "bf16", "--nf4-block-size", "128",
-                                                    "--no-double-quant"])
+    args = finetune_qlora.make_parser().parse_args(["--lora-dtype", "fp32", "--dtype", "bf16", "--nf4-block-size",
+                                                    "128", "--no-double-quant"])
     assert finetune_qlora.recipe_for(args, cuda, torch.bfloat16).lora_dtype == torch.float32
     held = finetune_qlora.recipe_for(args, cpu, None).convert_linear("x", linear)
     assert held.block_size == 128 and held.weight_absmax.dtype == torch.float32 and held.weight_absmax.numel() == 96

@@ -82,13 +82,15 @@ def fails(capsys, call, *fragments):
 
 # --- work is never lost ---------------------------------------------------------------------------
 @pytest.mark.parametrize("script", ["lora", "qlora"])
-def test_nonfinite_adapter_is_never_saved_and_the_stop_names_the_last_finite_one(script, ft, tmp_path, monkeypatch, capsys):
+def test_nonfinite_adapter_is_never_saved_and_the_stop_names_the_last_finite_one(script, ft,
+                                                                                 tmp_path, monkeypatch, capsys):
     real_lr_at = optim.lr_at  # finetune_qlora.py runs finetune_lora.py's loop, which calls lib.optim.lr_at
     # Steps 0 and 1 are ordinary; step 2's learning rate sends A and B to infinity.
     monkeypatch.setattr(optim, "lr_at", lambda step, *a: 1e39 if step == 2 else real_lr_at(step, *a))
     out = tmp_path / "out"
     line = fails(capsys, lambda: ft(script, out, "--steps", "5", "--save-interval", "1"),
-                 "weights are not finite at step 3", "nothing was saved", f"the last finite checkpoint is step 2 in {out}")
+                 "weights are not finite at step 3", "nothing was saved",
+                 f"the last finite checkpoint is step 2 in {out}")
     state = torch.load(out / "training_state.pt", weights_only=True)
     assert state["step"] == 2 and all(torch.isfinite(t).all() for t in state["trainable"].values())
     adapter = load_file(out / "adapter_model.safetensors")
@@ -120,13 +122,15 @@ def test_nonfinite_gradient_skips_the_update(ft, tmp_path, monkeypatch):
     assert [records[s]["skipped"] for s in range(3)] == [False, True, False]
     assert records[1]["grad_norm"] is None and records[2]["grad_norm"] > 0
     state = torch.load(out / "training_state.pt", weights_only=True)
-    assert all(int(s["step"]) == 2 for s in state["optimizer"]["state"].values())  # AdamW stepped twice, not three times
+    # AdamW stepped twice, not three times
+    assert all(int(s["step"]) == 2 for s in state["optimizer"]["state"].values())
 
 
 def test_fresh_run_refuses_a_saved_run_and_overwrite_replaces_it(ft, done, base, tmp_path, capsys, monkeypatch):
     out = copy_of(done, tmp_path)
     before = snapshot(out)
-    fails(capsys, lambda: ft("lora", out, "--steps", "0"), f"{out} already holds a saved run", "--resume", "--overwrite")
+    fails(capsys, lambda: ft("lora", out, "--steps", "0"), f"{out} already holds a saved run",
+          "--resume", "--overwrite")
     fails(capsys, lambda: ft("qlora", out, "--steps", "3"), "already holds a saved run")
     fails(capsys, lambda: ft("lora", out, "--steps", "0", "--adapter", out), "already holds a saved run")
     fails(capsys, lambda: ft("lora", out, "--steps", "0", "--adapter", out, "--overwrite"),
@@ -139,7 +143,8 @@ def test_fresh_run_refuses_a_saved_run_and_overwrite_replaces_it(ft, done, base,
     monkeypatch.chdir(tmp_path / "cwd")
     fails(capsys, lambda: ft("qlora", "out/train", "--steps", "1", "--overwrite", init_from=None),
           "--out-dir out/train is the base model's directory")
-    fails(capsys, lambda: ft("lora", out, "--steps", "1", "--merge", "--overwrite", init_from=os.path.join(out, "merged")),
+    fails(capsys, lambda: ft("lora", out, "--steps", "1", "--merge", "--overwrite",
+                             init_from=os.path.join(out, "merged")),
           "--merge would write", "the base model's directory")
     os.makedirs(tmp_path / "m" / "merged")
     shutil.copy(os.path.join(out, "merged", "model.safetensors"), tmp_path / "m" / "merged")
@@ -149,19 +154,24 @@ def test_fresh_run_refuses_a_saved_run_and_overwrite_replaces_it(ft, done, base,
     ft("lora", out, "--steps", "1", "--overwrite")
     assert snapshot(out)["adapter_model.safetensors"] != before["adapter_model.safetensors"]
     starts = [r for r in read_metrics(out) if r.get("event") == "start"]
-    assert len(starts) == 1 and starts[0]["args"]["steps"] == 1  # a fresh metrics.jsonl, not the old run's plus this one
+    # a fresh metrics.jsonl, not the old run's plus this one
+    assert len(starts) == 1 and starts[0]["args"]["steps"] == 1
 
 
 def test_resume_refuses_contradicting_flags_and_reports_changed_ones(ft, done, base, tmp_path, capsys):
     out = copy_of(done, tmp_path)
     before = snapshot(out)
-    fails(capsys, lambda: ft("lora", out, "--resume", "--lora-r", "16"), "--lora-r 16 contradicts the saved run (--lora-r 8)")
-    fails(capsys, lambda: ft("lora", out, "--resume", "--batch-size", "4"), "--batch-size 4 contradicts", "(--batch-size 2)")
+    fails(capsys, lambda: ft("lora", out, "--resume", "--lora-r", "16"),
+          "--lora-r 16 contradicts the saved run (--lora-r 8)")
+    fails(capsys, lambda: ft("lora", out, "--resume", "--batch-size", "4"),
+          "--batch-size 4 contradicts", "(--batch-size 2)")
     fails(capsys, lambda: ft("lora", out, "--resume", "--lora-targets", "c_fc"), "--lora-targets")
-    fails(capsys, lambda: ft("lora", out, "--resume", "--block-size", "16"), "--block-size 16 contradicts", "(--block-size 32)")
+    fails(capsys, lambda: ft("lora", out, "--resume", "--block-size", "16"),
+          "--block-size 16 contradicts", "(--block-size 32)")
     fails(capsys, lambda: ft("lora", out, "--resume", init_from=os.path.join(out, "merged")), "--init-from", base)
     fails(capsys, lambda: ft("lora", out, "--resume", "--overwrite"), "pass one of them")
-    fails(capsys, lambda: ft("qlora", out, "--resume"), "was made by finetune_lora.py", "continue it with finetune_lora.py")
+    fails(capsys, lambda: ft("qlora", out, "--resume"), "was made by finetune_lora.py",
+          "continue it with finetune_lora.py")
     pretrained = tmp_path / "pretrained"  # what train.py leaves: a training state without LoRA in it
     pretrained.mkdir()
     torch.save({"step": 3, "optimizer": {}}, pretrained / "training_state.pt")
@@ -221,11 +231,13 @@ def test_mistakes_are_one_line_before_any_work(ft, done, base, tmp_path, monkeyp
         d.mkdir()
         good = json.load(open(os.path.join(done, "adapter_config.json")))
         if config != "missing":
-            (d / "adapter_config.json").write_text(config if isinstance(config, str) else json.dumps({**good, **(config or {})}))
+            (d / "adapter_config.json").write_text(config if isinstance(config, str)
+                                                   else json.dumps({**good, **(config or {})}))
         if raw is not None:
             (d / "adapter_model.safetensors").write_bytes(raw)
         else:
-            save_file(tensors or load_file(os.path.join(done, "adapter_model.safetensors")), str(d / "adapter_model.safetensors"))
+            save_file(tensors or load_file(os.path.join(done, "adapter_model.safetensors")),
+                      str(d / "adapter_model.safetensors"))
         return str(d)
 
     whole = open(os.path.join(done, "adapter_model.safetensors"), "rb").read()
@@ -242,7 +254,8 @@ def test_mistakes_are_one_line_before_any_work(ft, done, base, tmp_path, monkeyp
             (adapter(f"{script}-rank", config={"r": "eight"}), "has r 'eight'; it must be a positive integer"),
             (adapter(f"{script}-r4", config={"r": 4}), "has shape [8, 64]", "imply [4, 64]"),
             (adapter(f"{script}-targets", config={"target_modules": ["c_fc"]}), "is not a LoRA matrix of the layers"),
-            (adapter(f"{script}-llama", config={"target_modules": ["q_proj"]}), "target 'q_proj'", "selects no block linear"),
+            (adapter(f"{script}-llama", config={"target_modules": ["q_proj"]}), "target 'q_proj'",
+             "selects no block linear"),
         ]
         for path, *fragments in broken:
             fails(capsys, lambda: ft(script, out, "--adapter", path, "--steps", "0"), f"--adapter {path}", *fragments)
@@ -258,7 +271,8 @@ def test_mistakes_are_one_line_before_any_work(ft, done, base, tmp_path, monkeyp
     finally:
         ro.chmod(stat.S_IRWXU)
     if os.path.isdir("/sys/kernel"):  # Linux: a file system that refuses even root, caught by a probe write
-        fails(capsys, lambda: ft("lora", "/sys/byhand-test", "--steps", "1"), "--out-dir /sys/byhand-test cannot be written")
+        fails(capsys, lambda: ft("lora", "/sys/byhand-test", "--steps", "1"),
+              "--out-dir /sys/byhand-test cannot be written")
     assert not out.exists() or not any(out.iterdir())  # every one stopped before writing anything
 
 
@@ -289,7 +303,8 @@ def hub_with_only_a_config(tmp_path, monkeypatch):
         def log_message(self, *args):
             requests.append(self.path)
 
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(Handler, directory=str(tmp_path / "www")))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                             functools.partial(Handler, directory=str(tmp_path / "www")))
     threading.Thread(target=server.serve_forever, daemon=True).start()
     monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{server.server_address[1]}")
     yield requests
@@ -303,7 +318,8 @@ def test_estimate_and_memory_check_download_only_config_json(hub_with_only_a_con
                   init_from="someone/huge")
     assert sum(estimate.values()) > 100 * 2**30  # the NF4 base alone is 152 GiB
     assert requests == ["/someone/huge/resolve/main/config.json"]
-    fails(capsys, lambda: ft("lora", tmp_path / "out", "--cache-dir", str(tmp_path / "cache"), init_from="someone/huge"),
+    fails(capsys, lambda: ft("lora", tmp_path / "out", "--cache-dir", str(tmp_path / "cache"),
+                             init_from="someone/huge"),
           "the memory estimate")
     assert requests == ["/someone/huge/resolve/main/config.json"]  # the weights were never asked for
 

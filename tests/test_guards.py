@@ -66,7 +66,8 @@ def test_nonfinite_and_check_finite_weights(tmp_path):
     assert guards.nonfinite(bad) == ["b", "c"]
     assert guards.nonfinite(list(bad.items())) == ["b", "c"]
     guards.check_finite_weights(good, 5, None, str(tmp_path))
-    with pytest.raises(UserError, match=r"not finite at step 5 \(2 tensors, e.g. b\).*last finite checkpoint is step 4"):
+    with pytest.raises(UserError,
+                       match=r"not finite at step 5 \(2 tensors, e.g. b\).*last finite checkpoint is step 4"):
         guards.check_finite_weights(bad, 5, 4, str(tmp_path))
     with pytest.raises(UserError, match="no finite checkpoint was saved"):
         guards.check_finite_weights(bad, 5, None, str(tmp_path))

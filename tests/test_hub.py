@@ -43,7 +43,8 @@ def test_download_honours_hf_endpoint_and_caches(hub_server, tmp_path, monkeypat
     assert local == str(tmp_path / "cache" / "hub" / "openai-community--gpt2" / "main")
     for name in ("config.json", "model.safetensors"):
         assert open(os.path.join(local, name), "rb").read() == open(repo / name, "rb").read()
-    assert sorted(requests) == sorted(f"/openai-community/gpt2/resolve/main/{n}" for n in ("config.json", "model.safetensors"))
+    assert sorted(requests) == sorted(f"/openai-community/gpt2/resolve/main/{n}"
+                                      for n in ("config.json", "model.safetensors"))
     assert not [f for f in os.listdir(local) if "incomplete" in f]
     hub.resolve_pretrained("gpt2", str(tmp_path / "cache"), log=lambda *a: None)
     assert len(requests) == 2  # the second call is served from the cache

@@ -75,7 +75,8 @@ def test_judge_metrics_counts_unparseable():
     assert m["rouge_l_f1"] == pytest.approx(0.5)  # 1.0 and 0.0
     none = judge.judge_metrics(["?"], ["Score: 1/10"])
     assert none["mae"] is None and none["unparseable"] == 1
-    assert judge.constant_predictor_mae(["Score: 2/10", "Score: 4/10", "Score: 9/10"], ["Score: 4/10", "Score: 8/10"]) == 2.0
+    assert judge.constant_predictor_mae(["Score: 2/10", "Score: 4/10", "Score: 9/10"],
+                                        ["Score: 4/10", "Score: 8/10"]) == 2.0
 
 
 def test_constant_guess_is_the_training_median():
@@ -245,7 +246,8 @@ def test_prompt_masking_and_dynamic_padding():
     from lib import llama
 
     model = llama.build_model(llama.LlamaConfig(vocab_size=130, hidden_size=32, intermediate_size=64,
-                                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1), seed=0)
+                                                num_hidden_layers=1, num_attention_heads=2,
+                                                num_key_value_heads=1), seed=0)
     logp = torch.log_softmax(model(ids).float(), -1)
     terms = [-logp[b, t - 1, ids[b, t]] for b in range(2) for t in range(1, ids.shape[1]) if labels[b, t] != -100]
     assert len(terms) == 9

@@ -149,7 +149,8 @@ def test_cpu_runtime_is_measured_not_assumed():
 def test_the_heap_keeps_one_steps_blocks_under_the_threshold():
     """cpu_heap_kept_bytes counts the blocks under 1 MiB only, on a CPU only; the judge's estimate has the
     row where a step's tensors are small (SmolLM2 at batch 1: the 0.4 MB hidden states), by hand."""
-    assert memory.cpu_heap_kept_bytes("cpu", [(512 * 1024, 3), (2**20, 5), (2**20 - 1, 1)]) == 3 * 512 * 1024 + 2**20 - 1
+    assert memory.cpu_heap_kept_bytes("cpu", [(512 * 1024, 3),
+                                              (2**20, 5), (2**20 - 1, 1)]) == 3 * 512 * 1024 + 2**20 - 1
     assert memory.cpu_heap_kept_bytes("cuda", [(512 * 1024, 3)]) == 0
     from lib import llama
     cfg = llama.LlamaConfig(**SMOLLM2_135M)
@@ -168,9 +169,9 @@ def test_tiny_run_peak_against_its_estimate(script, extra, base, tmp_path):
     text = tmp_path / "text.txt"  # a small corpus of its own: the test is about memory, not the data
     text.write_text("".join(f"def f{i}(x):\n    return x * {i} + {i % 7}  # line {i}\n" for i in range(1500)))
     out = tmp_path / "out"
-    script.main(["--init-from", base, "--out-dir", str(out), "--data", str(text), "--cache-dir", str(tmp_path / "cache"),
-                 "--steps", "2", "--batch-size", "4", "--eval-batches", "1", "--sample-tokens", "0", "--dtype", "fp32",
-                 *extra])
+    script.main(["--init-from", base, "--out-dir", str(out), "--data", str(text), "--cache-dir",
+                 str(tmp_path / "cache"), "--steps", "2", "--batch-size", "4", "--eval-batches", "1", "--sample-tokens",
+                 "0", "--dtype", "fp32", *extra])
     with open(os.path.join(out, "metrics.jsonl")) as f:
         end = [json.loads(line) for line in f][-1]
     assert end["event"] == "end" and end["memory_estimate"] > 0

@@ -45,7 +45,8 @@ def env(tmp_path_factory):
     """A ~40 KB corpus (Python source and some prose) and a cache that both scripts share."""
     d = tmp_path_factory.mktemp("onefile")
     src = os.path.dirname(json.__file__)  # the stdlib's json package
-    text = "".join(open(os.path.join(src, n), encoding="utf-8").read() for n in sorted(os.listdir(src)) if n.endswith(".py"))
+    text = "".join(open(os.path.join(src, n), encoding="utf-8").read() for n in sorted(os.listdir(src))
+                   if n.endswith(".py"))
     (d / "corpus.txt").write_text((PROSE + "\n\n" + text)[:40_000], encoding="utf-8")
     return {"dir": d, "common": ["--data", str(d / "corpus.txt")] + FLAGS}
 
@@ -81,7 +82,9 @@ def test_same_losses_and_weights_as_train_py(runs):
     assert sorted(wa) == sorted(wb)
     for name in wa:
         assert torch.equal(wb[name], wa[name]), name  # the same arithmetic in the same order: bit for bit
-    with open(os.path.join(runs["train"], "config.json")) as fa, open(os.path.join(runs["onefile"], "checkpoint", "config.json")) as fb:
+    train_config, onefile_config = (os.path.join(runs["train"], "config.json"),
+                                    os.path.join(runs["onefile"], "checkpoint", "config.json"))
+    with open(train_config) as fa, open(onefile_config) as fb:
         assert json.load(fa) == json.load(fb)
 
     # The same kinds of records, with the same fields (but train.py's MFU, sample and memory), in the same order.

@@ -78,8 +78,8 @@ def base_and_data(tmp, source):
 
 
 SPLADE_TINY = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "2", "--vocab-size", "400",
-               "--max-length", "32", "--max-query-length", "16", "--device", "cpu", "--lr", "1e-2", "--warmup-steps", "2",
-               "--steps", "4", "--batch-size", "8", "--log-interval", "1"]
+               "--max-length", "32", "--max-query-length", "16", "--device", "cpu", "--lr", "1e-2", "--warmup-steps",
+               "2", "--steps", "4", "--batch-size", "8", "--log-interval", "1"]
 JUDGE_TINY = ["--model", "tiny", "--device", "cpu", "--max_samples", "24", "--epochs", "1", "--eval_steps", "2",
               "--skip_eval", "--log_interval", "1"]
 HUGE_LORA = ["--lora_r", "100000000"]  # the judge's batches are at most its data: a rank no machine can hold
@@ -87,15 +87,15 @@ HUGE_LORA = ["--lora_r", "100000000"]  # the judge's batches are at most its dat
 CASES = {
     # --- the pretraining scripts --------------------------------------------------------------------
     "train": Case("train", GPT_TINY, stop_at=2, weights=("model.safetensors",),
-                  bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
-                  make_data=lambda tmp, source: ["--data", source]),
+                  bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
+                  diverge=["--lr", "1e38", "--grad-clip", "0"], make_data=lambda tmp, source: ["--data", source]),
     # Two ranks, and each launch costs seconds: of the saved files, latest.json (the training state), the DCP
     # metadata and one rank's shard file are truncated in turn (the export is train.py's safetensors check).
     "train_fsdp": Case("train_fsdp", GPT_TINY, stop_at=2, weights=("model.safetensors",), torchrun=True,
                        saved=("sharded/latest.json", "sharded/step-000004/.metadata",
                               "sharded/step-000004/__1_0.distcp"),
-                       bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH], diverge=["--lr", "1e38", "--grad-clip", "0"],
-                       make_data=lambda tmp, source: ["--data", source]),
+                       bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
+                       diverge=["--lr", "1e38", "--grad-clip", "0"], make_data=lambda tmp, source: ["--data", source]),
     # The compact inline contract (no lib/): one folder, OUT/checkpoint, renamed into place; its hook is named here.
     "onefile_train": Case("onefile_train", without(GPT_TINY, "--sample-tokens", "--dtype"), stop_at=2,
                           weights=("checkpoint/model.safetensors",),

@@ -71,7 +71,8 @@ def saved(tmp_path):
 def test_fresh_run_into_a_saved_run_is_refused_and_overwrite_clears_only_at_begin(saved, tmp_path):
     out, data = saved
     before = snapshot(out)
-    with pytest.raises(UserError, match=r"already holds a saved run \(model.safetensors, config.json, training_state.pt\)"):
+    with pytest.raises(UserError,
+                       match=r"already holds a saved run \(model.safetensors, config.json, training_state.pt\)"):
         prepare(["--out-dir", str(out), "--train-file", str(data)])
     run, args, _ = prepare(["--out-dir", str(out), "--train-file", str(data), "--overwrite"])
     assert snapshot(out) == before  # every check passed, but nothing is removed before the first write
@@ -164,7 +165,8 @@ def test_updates_stop_after_ten_skipped_in_a_row_and_a_run_without_updates_fails
     updates.record(9, skipped=False)  # one good update resets the count
     for step in range(10, 19):
         updates.record(step, skipped=True)
-    with pytest.raises(UserError, match=r"not finite for 10 steps in a row \(steps 10 to 19\).*last finite checkpoint is step 4"):
+    with pytest.raises(UserError,
+                       match=r"not finite for 10 steps in a row \(steps 10 to 19\).*last finite checkpoint is step 4"):
         updates.record(19, skipped=True)
     updates.finish()  # one update was applied
     nothing = rundir.Updates("OUT")

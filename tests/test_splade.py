@@ -108,7 +108,8 @@ def tiny_model(dropout=0.0, vocab=50):
 
 def random_batch(gen, n_queries, k, vocab=50):
     def texts(n, lo, hi):
-        return [[2] + torch.randint(5, vocab, (int(torch.randint(lo, hi, (1,), generator=gen)),), generator=gen).tolist()
+        return [[2] + torch.randint(5, vocab, (int(torch.randint(lo,
+                                                                 hi, (1,), generator=gen)),), generator=gen).tolist()
                 + [3] for _ in range(n)]
     return texts(n_queries, 2, 6), texts(n_queries, 5, 12), texts(n_queries * k, 5, 12)
 
@@ -116,7 +117,8 @@ def random_batch(gen, n_queries, k, vocab=50):
 def micro_batches(q, pos, neg, size, k):
     out = []
     for s in range(0, len(q), size):
-        out.append(unified.Batch(*unified.pad(q[s:s + size], 0), *unified.pad(pos[s:s + size] + neg[s * k:(s + size) * k], 0)))
+        out.append(unified.Batch(*unified.pad(q[s:s + size], 0),
+                                 *unified.pad(pos[s:s + size] + neg[s * k:(s + size) * k], 0)))
     return out
 
 
@@ -181,7 +183,8 @@ def write(path, text):
 def test_reads_json_list_and_jsonl(tmp_path):
     rec = [{"query": "q one", "positive_document": "doc one", "negative_documents": ["n1", {"document": "n2"}], "x": 1}]
     a = unified.read_examples(write(tmp_path / "a.json", json.dumps(rec, indent=2)), "--train-file", 1)
-    b = unified.read_examples(write(tmp_path / "b.jsonl", "\n".join(json.dumps(r) for r in rec * 2) + "\n"), "--train-file", 1)
+    b = unified.read_examples(write(tmp_path / "b.jsonl",
+                                    "\n".join(json.dumps(r) for r in rec * 2) + "\n"), "--train-file", 1)
     assert a[0] == unified.Example("q one", "doc one", ["n1", "n2"])
     assert b == a * 2
 
@@ -196,12 +199,18 @@ BAD_DATA = [
     ("[]", ["holds no records"]),
     (f'[{GOOD}, 3]', ["record 1", "is a JSON int", "expected an object"]),
     (f'[{GOOD},\n {{"positive_document": "d", "negative_documents": ["n"]}}]', ["record 1 (line 2)", "'query'"]),
-    ('[{"query": 5, "positive_document": "d", "negative_documents": ["n"]}]', ["record 0", "'query'", "JSON int", "non-empty string"]),
-    ('[{"query": "q", "positive_document": "  ", "negative_documents": ["n"]}]', ["'positive_document'", "empty string"]),
-    ('[{"query": "q", "positive_document": "d", "negative_documents": "n"}]', ["'negative_documents'", "JSON str", "list"]),
-    ('[{"query": "q", "positive_document": "d", "negative_documents": ["n", 7]}]', ["'negative_documents[1]'", "JSON int"]),
-    ('[{"query": "q", "positive_document": "d", "negative_documents": [{"doc": "n"}]}]', ["'negative_documents[0]'", "without 'document'"]),
-    ('[{"query": "q", "positive_document": "d", "negative_documents": []}]', ["record 0", "no negatives", "--negatives-per-query 0"]),
+    ('[{"query": 5, "positive_document": "d", "negative_documents": ["n"]}]',
+     ["record 0", "'query'", "JSON int", "non-empty string"]),
+    ('[{"query": "q", "positive_document": "  ", "negative_documents": ["n"]}]',
+     ["'positive_document'", "empty string"]),
+    ('[{"query": "q", "positive_document": "d", "negative_documents": "n"}]',
+     ["'negative_documents'", "JSON str", "list"]),
+    ('[{"query": "q", "positive_document": "d", "negative_documents": ["n", 7]}]',
+     ["'negative_documents[1]'", "JSON int"]),
+    ('[{"query": "q", "positive_document": "d", "negative_documents": [{"doc": "n"}]}]',
+     ["'negative_documents[0]'", "without 'document'"]),
+    ('[{"query": "q", "positive_document": "d", "negative_documents": []}]',
+     ["record 0", "no negatives", "--negatives-per-query 0"]),
     ('[{"query": "q", "positive_document": "d"}]', ["record 0", "no negatives"]),
     (f"[{GOOD}] trailing", ["unexpected text after the list"]),
     (f"[{GOOD} {GOOD}]", ["expected ',' or ']'", "line 1"]),
@@ -295,7 +304,8 @@ def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, dat
                            "--batch-size", "16", *TINY])
     assert result["final"]["mrr@10"] > result["first"]["mrr@10"] + 0.1, (result["first"], result["final"])
     for name in ("config.json", "model.safetensors", "tokenizer.json", "vocab.txt", "tokenizer_config.json",
-                 "training_state.pt", "metrics.jsonl", unified.INDEX_FILE, unified.DOCUMENTS_FILE, "best/model.safetensors"):
+                 "training_state.pt", "metrics.jsonl", unified.INDEX_FILE, unified.DOCUMENTS_FILE,
+                 "best/model.safetensors"):
         assert os.path.isfile(os.path.join(out, name)), name
     assert json.load(open(os.path.join(out, "config.json")))["architectures"] == ["BertForMaskedLM"]
     records = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -316,8 +326,8 @@ def test_unified_end_to_end_beats_the_untrained_model_and_searches(tmp_path, dat
     assert docs.index(query["positive_document"]) in [i for i, _ in found["results"]]
 
     # the saved directory is a checkpoint like any Hugging Face one: fine-tune from it
-    tuned = unified.main(["--train-file", train, "--val-file", val, "--model-name", out, "--out-dir", str(tmp_path / "ft"),
-                          "--steps", "2", "--index", "none", *TINY])
+    tuned = unified.main(["--train-file", train, "--val-file", val, "--model-name", out, "--out-dir",
+                          str(tmp_path / "ft"), "--steps", "2", "--index", "none", *TINY])
     assert tuned["first"]["mrr@10"] == pytest.approx(result["final"]["mrr@10"])  # the same model, the same pool
 
 
@@ -337,7 +347,8 @@ def test_optimized_end_to_end_with_gradcache(tmp_path, data_files, capsys):
 def test_resume_refuses_a_contradicting_flag(tmp_path, data_files, capsys):
     train, _ = data_files
     out = str(tmp_path / "r")
-    unified.main(["--train-file", train, "--steps", "1", "--batch-size", "8", "--out-dir", out, "--index", "none", *TINY])
+    unified.main(["--train-file", train, "--steps", "1", "--batch-size", "8", "--out-dir", out,
+                  "--index", "none", *TINY])
     with pytest.raises(SystemExit):
         unified.main(["--train-file", train, "--steps", "2", "--batch-size", "4", "--out-dir", out, "--resume", *TINY])
     assert "--batch-size 4 contradicts the saved run" in capsys.readouterr().err
@@ -473,7 +484,8 @@ def test_a_run_saved_with_vocab_txt_only_resumes(tmp_path, data_files, capsys):
     assert unified.main(["--resume", "--steps", "2", *common])["step"] == 2
     for name in ("tokenizer.json", "vocab.txt"):
         remove_saved(out, name)
-    assert "neither tokenizer.json nor vocab.txt" in error_of(capsys, unified.main, ["--resume", "--steps", "3", *common])
+    assert "neither tokenizer.json nor vocab.txt" in error_of(capsys, unified.main,
+                                                              ["--resume", "--steps", "3", *common])
 
 
 def test_memory_advice_fits_the_script(tmp_path, data_files, capsys):

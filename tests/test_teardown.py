@@ -64,7 +64,8 @@ def test_two_nodes_train_what_one_two_process_node_trains(single_node, tmp_path,
         cmd = [sys.executable, "-m", "torch.distributed.run", *mine, "--nproc_per_node=1", "--rdzv-id=byhand-two-nodes",
                "train.py", *CHEAP, "--data", text_dir, "--out-dir", out]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "BYHAND_CACHE": str(tmp_path / f"cache-node{node}")}
-        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
     results = []
     for proc in procs:
         try:

@@ -58,7 +58,8 @@ def test_checkpoint_is_the_transformers_gpt2_layout(tmp_path, text_dir):
     run_train(tmp_path, text_dir, "--steps", "2")
     config = json.load(open(tmp_path / "config.json"))
     assert config["architectures"] == ["GPT2LMHeadModel"] and config["model_type"] == "gpt2"
-    assert (config["n_layer"], config["n_head"], config["n_embd"], config["n_positions"], config["vocab_size"]) == (2, 2, 64, 32, 50257)
+    assert (config["n_layer"], config["n_head"], config["n_embd"], config["n_positions"],
+            config["vocab_size"]) == (2, 2, 64, 32, 50257)
     tensors = load_file(tmp_path / "model.safetensors")
     assert tensors["transformer.wte.weight"].shape == (50257, 64)
     assert tensors["transformer.h.0.attn.c_attn.weight"].shape == (64, 192)  # Conv1D: [in, out]
@@ -79,12 +80,14 @@ def test_checkpoint_is_the_transformers_gpt2_layout(tmp_path, text_dir):
 def test_init_from_a_local_checkpoint_starts_where_it_ended(tmp_path, text_dir):
     run_train(tmp_path / "base", text_dir, "--steps", "10", "--eval-interval", "100")
     end_val = val_losses(tmp_path / "base")[-1][1]
-    run_train(tmp_path / "more", text_dir, "--steps", "1", "--eval-interval", "1", "--init-from", str(tmp_path / "base"))
+    run_train(tmp_path / "more", text_dir, "--steps", "1", "--eval-interval", "1", "--init-from",
+              str(tmp_path / "base"))
     assert val_losses(tmp_path / "more")[0][1] == pytest.approx(end_val, abs=1e-5)
 
 
 def test_estimate_memory_prints_and_exits(tmp_path, capsys):
-    est = train.main(["--model-size", "gpt2", "--batch-size", "8", "--estimate-memory", "--out-dir", str(tmp_path), "--device", "cpu"])
+    est = train.main(["--model-size", "gpt2", "--batch-size", "8", "--estimate-memory", "--out-dir",
+                      str(tmp_path), "--device", "cpu"])
     out = capsys.readouterr().out
     assert "124,439,808 parameters" in out and "memory estimate" in out
     assert est["parameters (fp32)"] == 124_439_808 * 4

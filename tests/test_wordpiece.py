@@ -70,7 +70,8 @@ def test_encode_truncate_pad_decode(small):
     assert ids.shape == mask.shape == (2, 8) and mask.sum().item() == 7
     assert small.decode([2, 5, 6, 7, 10, 9, 11, 3]) == "[CLS] unaffable, world! [SEP]"
     assert small.decode([2, 5, 6, 7, 3], skip_special_tokens=True) == "unaffable"
-    assert (small.cls_id, small.sep_id, small.pad_id, small.unk_id, small.mask_id, small.vocab_size) == (2, 3, 0, 1, 4, len(SMALL))
+    assert (small.cls_id, small.sep_id, small.pad_id, small.unk_id,
+            small.mask_id, small.vocab_size) == (2, 3, 0, 1, 4, len(SMALL))
 
 
 def test_truncation_is_a_prefix_at_every_length(small):
@@ -78,7 +79,8 @@ def test_truncation_is_a_prefix_at_every_length(small):
     encoding everything and cutting after: [CLS], a prefix of the pieces, [SEP]."""
     rng = random.Random(0)
     for _ in range(100):
-        text = "".join(rng.choice(["[MASK]", "un", "affable", " ", "é", "##", "xyz", ",", "中", "hello "]) for _ in range(rng.randint(0, 25)))
+        text = "".join(rng.choice(["[MASK]", "un", "affable", " ", "é", "##", "xyz", ",", "中", "hello "])
+                       for _ in range(rng.randint(0, 25)))
         full = small.encode(text)
         for n in range(2, len(full) + 2):
             assert small.encode(text, max_length=n) == (full[: n - 1] + [small.sep_id] if n < len(full) else full)
@@ -117,13 +119,15 @@ def test_matches_transformers_bert_tokenizer(golden, real_golden, tmp_path, sett
     assert real_golden["texts"][: len(texts)] == texts
     auto = expected(real_golden, AS_REAL_VARIANT[setting])
     differ = set(want["rust_differs"])
-    wrong = [t for i, (t, ids) in enumerate(zip(texts, want["ids"])) if tok.encode(t) != (auto[i] if i in differ else ids)]
+    wrong = [t for i, (t, ids) in enumerate(zip(texts, want["ids"]))
+             if tok.encode(t) != (auto[i] if i in differ else ids)]
     assert not wrong, f"{len(wrong)} of {len(texts)} differ, e.g. {wrong[:3]}"
     assert all(auto[i] == ids for i, ids in enumerate(want["ids"]) if i not in differ)  # the two goldens agree
     if setting == "uncased":
         assert [tok.tokenize(t) for i, t in enumerate(texts) if i not in differ] == \
             [t for i, t in enumerate(want["tokens"]) if i not in differ]
-        assert sum("[UNK]" in t for t in want["tokens"]) > 20 and sum(any(p.startswith("##") for p in t) for t in want["tokens"]) > 100
+        assert sum("[UNK]" in t for t in want["tokens"]) > 20 and sum(any(p.startswith("##") for p in t)
+                                                                      for t in want["tokens"]) > 100
         # Python lowercases a word-final Σ to ς; Rust, and we, to σ.
         assert differ and all("Σ" in texts[i] for i in differ)
         sigma = texts.index("ΣΊΣΥΦΟΣ σοφός ΟΔΥΣΣΕΥΣ")
@@ -144,7 +148,8 @@ def test_batch_and_decode_match_transformers(golden, tmp_path):
 
 def _maker():
     """The golden maker, for its variants() and build(); its module level imports nothing heavy."""
-    spec = importlib.util.spec_from_file_location("make_wordpiece_real_golden", os.path.join(FIXTURES, "make_wordpiece_real_golden.py"))
+    spec = importlib.util.spec_from_file_location("make_wordpiece_real_golden",
+                                                  os.path.join(FIXTURES, "make_wordpiece_real_golden.py"))
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -170,11 +175,14 @@ def expected(golden, variant):
 def test_the_real_files_are_what_the_readme_says():
     """The committed files are the package's, unchanged: tokenizer.json only (no vocab.txt), bert-base-uncased's
     30,522 WordPiece entries, BertNormalizer + BertPreTokenizer + [CLS] $A [SEP], and a 2-layer BertForMaskedLM."""
-    assert sorted(os.listdir(REAL)) == ["README.md", "config.json", "golden.json", "tokenizer.json", "tokenizer_config.json"]
+    assert sorted(os.listdir(REAL)) == ["README.md", "config.json", "golden.json", "tokenizer.json",
+                                        "tokenizer_config.json"]
     tj = json.load(open(os.path.join(REAL, "tokenizer.json"), encoding="utf-8"))
     assert tj["model"]["type"] == "WordPiece" and len(tj["model"]["vocab"]) == 30522
-    assert (tj["normalizer"]["type"], tj["normalizer"]["strip_accents"], tj["pre_tokenizer"]["type"]) == ("BertNormalizer", None, "BertPreTokenizer")
-    assert tj["padding"]["strategy"] == "BatchLongest" and tj["truncation"]["max_length"] == 512  # ignored, as by transformers
+    assert (tj["normalizer"]["type"], tj["normalizer"]["strip_accents"],
+            tj["pre_tokenizer"]["type"]) == ("BertNormalizer", None, "BertPreTokenizer")
+    # ignored, as by transformers
+    assert tj["padding"]["strategy"] == "BatchLongest" and tj["truncation"]["max_length"] == 512
     vocab_txt = open(os.path.join(FIXTURES, "bert_uncased_vocab.txt"), encoding="utf-8").read().splitlines()
     assert all(tj["model"]["vocab"][t] == i for i, t in enumerate(vocab_txt))
     assert json.load(open(os.path.join(REAL, "config.json")))["num_hidden_layers"] == 2
@@ -207,7 +215,7 @@ def test_real_golden_records_where_the_libraries_part(real_golden):
     """What the goldens show, so a regenerated golden that lost these cases fails here."""
     v, texts = real_golden["variants"], real_golden["texts"]
     legacy = {texts[int(i)] for i in v["real"]["legacy_differs"]}
-    assert any("Σ" in t for t in legacy) and any("\U0002B820" in t for t in legacy) and any("\u0378" in t for t in legacy)
+    assert all(any(ch in t for t in legacy) for ch in ("Σ", "\U0002B820", "\u0378"))
     assert all(not e.get("rust_differs") for k, e in v.items() if not k.startswith(("file_",)))
     assert len(v["file_cased_config_silent"]["rust_differs"]) > 200  # tokenizers would not lowercase; transformers does
     assert v["fast_course_recipe"]["class"] == "TokenizersBackend" and v["real"]["class"] == "BertTokenizer"
@@ -222,10 +230,12 @@ def test_real_batch_truncation_and_decode(real_golden):
     for d in real_golden["decode"]:
         assert tok.decode(d["ids"]) == d["text"]
         assert tok.decode(d["ids"], skip_special_tokens=True) == d["skip"]
-    assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id, tok.mask_id, tok.vocab_size) == (0, 100, 101, 102, 103, 30522)
+    assert (tok.pad_id, tok.unk_id, tok.cls_id, tok.sep_id,
+            tok.mask_id, tok.vocab_size) == (0, 100, 101, 102, 103, 30522)
 
 
-@pytest.mark.parametrize("variant", ["real", "fast_course_recipe", "added_tokens_fast", "fast_no_post_processor_no_normalizer"])
+@pytest.mark.parametrize("variant", ["real", "fast_course_recipe", "added_tokens_fast",
+                                     "fast_no_post_processor_no_normalizer"])
 def test_real_save_writes_what_transformers_reads_back(real_golden, tmp_path, variant):
     """save() writes tokenizer.json + vocab.txt + tokenizer_config.json (+ special_tokens_map.json); the
     class it names makes transformers read the pipeline it wrote (checked there by the golden maker:
@@ -233,14 +243,17 @@ def test_real_save_writes_what_transformers_reads_back(real_golden, tmp_path, va
     MAKER.build(real_golden["variants"][variant]["variant"], REAL, str(tmp_path / "src"))
     tok = wordpiece.load_tokenizer(str(tmp_path / "src"))
     tok.save(str(tmp_path / "out"))
-    assert sorted(os.listdir(tmp_path / "out")) == ["special_tokens_map.json", "tokenizer.json", "tokenizer_config.json", "vocab.txt"]
+    assert sorted(os.listdir(tmp_path / "out")) == ["special_tokens_map.json", "tokenizer.json",
+                                                    "tokenizer_config.json", "vocab.txt"]
     cfg = json.loads((tmp_path / "out" / "tokenizer_config.json").read_text())
-    assert cfg["tokenizer_class"] == ("BertTokenizer" if variant in ("real", "added_tokens_fast") else "PreTrainedTokenizerFast")
+    assert cfg["tokenizer_class"] == ("BertTokenizer" if variant in ("real", "added_tokens_fast")
+                                      else "PreTrainedTokenizerFast")
     written = json.loads((tmp_path / "out" / "tokenizer.json").read_text(encoding="utf-8"))
     source = json.loads((tmp_path / "src" / "tokenizer.json").read_text(encoding="utf-8"))
     assert written["model"]["vocab"] == source["model"]["vocab"]
     assert written["normalizer"] == source["normalizer"] and written["pre_tokenizer"] == source["pre_tokenizer"]
-    assert (tmp_path / "out" / "vocab.txt").read_text(encoding="utf-8").splitlines()[101:104] == ["[CLS]", "[SEP]", "[MASK]"]
+    vocab = (tmp_path / "out" / "vocab.txt").read_text(encoding="utf-8").splitlines()
+    assert vocab[101:104] == ["[CLS]", "[SEP]", "[MASK]"]
     again = wordpiece.load_tokenizer(str(tmp_path / "out"), log=pytest.fail)
     want = expected(real_golden, variant)
     assert [again.encode(t) for t in real_golden["texts"]] == want
@@ -256,18 +269,22 @@ def test_split_behaviours_by_hand():
     assert split("MergedWithNext") == ["the", "-final", "-", "-countdown"]
     assert split("Contiguous") == ["the", "-", "final", "--", "countdown"]
     words = wordpiece.compile_pre_tokenizer({"type": "Whitespace"}, "x")
-    assert words("Hey friend!  How's it‿going?! x²") == ["Hey", "friend", "!", "How", "'", "s", "it‿going", "?!", "x", "²"]
+    assert words("Hey friend!  How's it‿going?! x²") == ["Hey", "friend", "!", "How", "'", "s",
+                                                         "it‿going", "?!", "x", "²"]
 
 
 @pytest.mark.parametrize("where, value, match", [
     ("normalizer", {"type": "Precompiled", "precompiled_charsmap": "AA=="}, "normalizer Precompiled is not supported"),
-    ("normalizer", {"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "Nmt"}]}, "normalizer Nmt is not supported"),
+    ("normalizer", {"type": "Sequence", "normalizers": [{"type": "NFD"}, {"type": "Nmt"}]},
+     "normalizer Nmt is not supported"),
     ("pre_tokenizer", {"type": "Metaspace", "replacement": "▁"}, "pre_tokenizer Metaspace is not supported"),
-    ("pre_tokenizer", {"type": "Sequence", "pretokenizers": [{"type": "ByteLevel"}]}, "pre_tokenizer ByteLevel is not supported"),
+    ("pre_tokenizer", {"type": "Sequence", "pretokenizers": [{"type": "ByteLevel"}]},
+     "pre_tokenizer ByteLevel is not supported"),
     ("post_processor", {"type": "TemplateProcessing", "single": [{"Sequence": {"id": "A"}}, {"Sequence": {"id": "A"}}],
                         "special_tokens": {}}, "post_processor TemplateProcessing is not supported"),
-    ("post_processor", {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": "<x>"}}, {"Sequence": {"id": "A"}}],
-                        "special_tokens": {}}, "post_processor TemplateProcessing is malformed"),
+    ("post_processor", {"type": "TemplateProcessing",
+                        "single": [{"SpecialToken": {"id": "<x>"}}, {"Sequence": {"id": "A"}}], "special_tokens": {}},
+                        "post_processor TemplateProcessing is malformed"),
     ("model", {"type": "BPE", "vocab": {}, "merges": []}, "model type BPE is not WordPiece"),
 ])
 def test_unsupported_components_are_one_line_naming_them(tmp_path, where, value, match):
@@ -286,7 +303,8 @@ def test_save_and_load_round_trip(tmp_path):
     tok = WordPiece(SMALL + ["Hello"], do_lower_case=False, model_max_length=128)
     tok.save(str(tmp_path))
     cfg = json.loads((tmp_path / "tokenizer_config.json").read_text())
-    assert cfg["tokenizer_class"] == "BertTokenizer" and cfg["do_lower_case"] is False and cfg["model_max_length"] == 128
+    assert cfg["tokenizer_class"] == "BertTokenizer" and cfg["do_lower_case"] is False
+    assert cfg["model_max_length"] == 128
     assert cfg["cls_token"] == "[CLS]" and cfg["mask_token"] == "[MASK]"
     assert (tmp_path / "vocab.txt").read_text(encoding="utf-8").splitlines() == SMALL + ["Hello"]
     again = load_wordpiece(str(tmp_path))
@@ -354,7 +372,8 @@ def test_learn_vocab_merges_by_hand():
     assert tok.tokenize("hugs bug") == ["hugs", "b", "##ug"]
     pieces = texts[0].split()
     random.Random(0).shuffle(pieces)  # the order of the texts does not change the vocabulary
-    assert learn_vocab([" ".join(pieces[i:i + 3]) for i in range(0, len(pieces), 3)], 100, min_frequency=1).vocab == tok.vocab
+    assert learn_vocab([" ".join(pieces[i:i + 3]) for i in range(0, len(pieces), 3)],
+                       100, min_frequency=1).vocab == tok.vocab
 
 
 @pytest.fixture(scope="module")

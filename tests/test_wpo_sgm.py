@@ -67,7 +67,8 @@ def loss_and_grads(net, x, centres, plan):
 
 
 @pytest.mark.parametrize("plan", [w.Plan("chunked", 8), w.Plan("chunked", 1), w.Plan("gradient_accumulation", None, 3),
-                                  w.Plan("gradient_accumulation", 5, 4)], ids=["chunk8", "chunk1", "accum3", "accum4-chunk5"])
+                                  w.Plan("gradient_accumulation", 5, 4)],
+                                  ids=["chunk8", "chunk1", "accum3", "accum4-chunk5"])
 def test_chunked_and_accumulation_equal_single_gpu(plan):
     d = 3
     net = random_model(d)
@@ -174,7 +175,8 @@ def test_long_phases_print_progress(tmp_path, monkeypatch):
     monkeypatch.setattr(w.Progress, "EVERY", 0.0)  # a line at every chance, as a slow phase would print
     lines = []
     w.sample(random_model(2), torch.randn(3, 2), 0.01, 30, seed=0, log=lines.append)
-    assert [line.split(",")[0] for line in lines] == ["sampling 30 draws: 1/3 centres", "sampling 30 draws: 2/3 centres"]
+    assert [line.split(",")[0] for line in lines] == ["sampling 30 draws: 1/3 centres",
+                                                      "sampling 30 draws: 2/3 centres"]
     assert all("ETA" in line for line in lines)
     lines.clear()
     write_cifar(tmp_path / "data_batch_1.bin", 3)
@@ -186,7 +188,8 @@ def test_long_phases_print_progress(tmp_path, monkeypatch):
     loss = w.test_loss(net, x, centres, 0.01, w.Plan("single_gpu"), 4, lines.append)  # batches of 4, 4 and 2
     assert [line.split(",")[0] for line in lines] == ["test loss: 4/10 samples", "test loss: 8/10 samples"]
     with torch.no_grad():
-        assert loss == pytest.approx(w.score_matching_loss(net, x, centres, 0.01).item(), rel=1e-5)  # the mean over all 10
+        # the mean over all 10
+        assert loss == pytest.approx(w.score_matching_loss(net, x, centres, 0.01).item(), rel=1e-5)
 
 
 # --- CIFAR-10, binary version --------------------------------------------------------------------
@@ -465,7 +468,8 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path, capsys):
 def test_one_cycle_schedule_matches_torch():
     total, peak = 50, 1e-2
     opt = torch.optim.AdamW([torch.zeros(1, requires_grad=True)], lr=peak)
-    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=peak, total_steps=total, pct_start=0.3, anneal_strategy="cos")
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=peak, total_steps=total, pct_start=0.3,
+                                                anneal_strategy="cos")
     for step in range(total):
         assert w.lr_at(step, total, peak, "one_cycle") == pytest.approx(opt.param_groups[0]["lr"], rel=1e-6), step
         opt.step()
