@@ -160,15 +160,21 @@ def write_models(models_dir, sizes):
     return paths
 
 
+def torch_cuda_count():
+    import torch
+    return torch.cuda.device_count()
+
+
 # --- one case ------------------------------------------------------------------------------------
-def run_case(script, flags, device, work, env):
+def run_case(script, flags, device, work, env, timeout=None):
     out_dir = os.path.join(work, "out")
     shutil.rmtree(out_dir, ignore_errors=True)
     cmd = [sys.executable, script, *flags.split(), "--out-dir", out_dir, "--device", device]
-    if script == "train_fsdp.py":  # two ranks, gloo on a CPU
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *cmd[1:]]
+    if script == "train_fsdp.py":  # two ranks: gloo on a CPU, nccl on two GPUs (one rank where there is one)
+        ranks = min(2, torch_cuda_count()) if device.startswith("cuda") else 2
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd[1:]]
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if out.returncode:
         raise RuntimeError(f"{script} {flags} failed:\n{out.stdout[-1500:]}\n{out.stderr[-2500:]}")
