@@ -124,7 +124,7 @@ def gpt_flags(ctx, steps, batch=16):
 def row_train(ctx):
     steps = 8 if ctx.tiny else 50
     extra = ["--dtype", ctx.dtype, "--sample-tokens", "0"] + ([] if ctx.tiny else ["--compile"])
-    records = run_script(ctx, "train.py", gpt_flags(ctx, steps) + extra, "train", 150 if ctx.tiny else 150)
+    records = run_script(ctx, "train.py", gpt_flags(ctx, steps) + extra, "train", 150)
     loss = losses(records)
     ctx.train_losses = loss
     falls = sum(loss[-5:]) / 5 < loss[0]
@@ -152,7 +152,7 @@ def row_fsdp(ctx):
     nproc = torch.cuda.device_count() if ctx.device == "cuda" else 1
     flags = gpt_flags(ctx, 8 if ctx.tiny else 30, batch=8) + ["--dtype", ctx.dtype, "--sample-tokens", "0",
                                                               "--no-export"]  # 8 x 1,024 tokens a rank
-    records = run_script(ctx, "train_fsdp.py", flags, "fsdp", 90 if ctx.tiny else 120, nproc=nproc)
+    records = run_script(ctx, "train_fsdp.py", flags, "fsdp", 150 if ctx.tiny else 120, nproc=nproc)
     return {"ranks": nproc, "tokens_per_s": later_half(records, "tokens_per_s"), "mfu": later_half(records, "mfu"),
             "peak_per_rank_bytes": end(records).get("memory_per_rank"), **memory(records),
             "ok": all(loss == loss for loss in losses(records))}
@@ -230,7 +230,7 @@ def row_judge(ctx):
 
 def row_splade(ctx):
     if ctx.tiny:
-        flags = ["--steps", "3", "--index", "none", "--log-interval", "1", "--eval-batch-size", "16"]
+        flags = ["--steps", "3", "--index", "none", "--log-interval", "1"]
     else:
         bert = memory_estimate.write_bert(os.path.join(ctx.models, "bert-base"))
         data = memory_estimate.write_splade_data(os.path.join(ctx.models, "splade-stdlib"))
@@ -274,7 +274,7 @@ def row_memory(ctx):
     cases_out, failed = [], []
     for script, size, flags in cases:
         row = {"script": script, "size": size, "flags": flags.format(**paths).replace(ctx.models, "MODELS")}
-        timeout = min(90 if ctx.tiny else 120, ctx.deadline - time.monotonic())
+        timeout = min(150 if ctx.tiny else 120, ctx.deadline - time.monotonic())
         try:
             row.update(memory_estimate.run_case(script, flags.format(**paths), ctx.device, ctx.work, env,
                                                 timeout=timeout))
@@ -348,6 +348,67 @@ def main(argv=None):
     print(f"{len(report['rows'])} rows, {len(failed)} failed{': ' + ', '.join(failed) if failed else ''}; "
           f"wrote {args.out}", file=sys.stderr)
     return 1 if failed else 0
+
+
+# --- the pages: python docs/render.py fills these from bench/results/gpu.json, where a GPU wrote one --------
+NOT_MEASURED = ("Not measured yet: no GPU has run the 8 rows of `python bench/gpu.py` (then `python "
+                "docs/render.py` fills this in, naming the GPU).")
+
+
+def load(path):
+    """The GPU run's report, or None where there is none (or only a CPU --tiny run, which fills no page)."""
+    path = os.path.join(ROOT, path)
+    if not os.path.isfile(path):
+        return None
+    with open(path) as f:
+        report = json.load(f)
+    return report if report.get("device") == "cuda" and not report.get("tiny") else None
+
+
+def _figure(key, value):
+    if isinstance(value, dict):
+        return f"{key}: " + ", ".join(_figure(k, v) for k, v in value.items())
+    if key.endswith("_bytes") and isinstance(value, (int, float)):
+        return f"{key[:-6]} {memory_estimate._gib(value)}"
+    if isinstance(value, float):
+        return f"{key} {value:.4g}"
+    if isinstance(value, list) and all(isinstance(v, float) for v in value):
+        return f"{key} [" + ", ".join(f"{v:.4f}" for v in value) + "]"
+    return f"{key} {value}"
+
+
+def describe_row(row):
+    skip = ("row", "ok", "machine", "seconds", "cases", "peak_per_rank_bytes")
+    return "; ".join(_figure(k, v) for k, v in row.items() if k not in skip)
+
+
+def render(path="bench/results/gpu.json"):
+    """Markdown: one line per row of the GPU run, ok or failed, with its figures; or NOT_MEASURED."""
+    report = load(path)
+    if report is None:
+        return NOT_MEASURED
+    lines = ["| row | ok | seconds | figures |", "|---|---|---:|---|"]
+    for r in report["rows"]:
+        lines.append(f"| {r['row']} | {'yes' if r['ok'] else '**no**'} | {r.get('seconds', '-')} | "
+                     f"{describe_row(r).replace('|', '/').replace(chr(10), ' ')} |")
+    return "\n".join(lines + ["", machine.caption(report["machine"])])
+
+
+def render_row(path, name):
+    """Markdown: one row's figures (for the page on that script), or NOT_MEASURED."""
+    report = load(path)
+    row = next((r for r in report["rows"] if r["row"] == name), None) if report else None
+    if row is None:
+        return NOT_MEASURED
+    state = "" if row["ok"] else " **(the row failed)**"
+    return f"`python bench/gpu.py`, row {name}{state}: {describe_row(row)}.\n\n" + machine.caption(row["machine"])
+
+
+def memory_cases(path):
+    """{(script, flags): case} of the GPU run's memory row, for memory_estimate.render's CUDA columns."""
+    report = load(path)
+    row = next((r for r in report["rows"] if r["row"] == "memory"), None) if report else None
+    return ({(c["script"], c["flags"]): c for c in row.get("cases", [])}, row["machine"]) if row else ({}, None)
 
 
 if __name__ == "__main__":

@@ -264,17 +264,25 @@ def _gib(b):
     return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
 
 
-def render(path, size="real"):
-    """Markdown: every script's estimate, measured peak and ratio at this size, and the machine."""
+def render(path, size="real", gpu_path=None):
+    """Markdown: every script's estimate, measured peak and ratio at this size, and the machine; with
+    gpu_path (bench/gpu.py's result, where a GPU wrote one) the CUDA columns beside them."""
+    from bench.gpu import memory_cases
     from bench.machine import caption
     with open(os.path.join(ROOT, path)) as f:
         report = json.load(f)
+    cuda, gpu_machine = memory_cases(gpu_path) if gpu_path else ({}, None)
     measure = {"cpu": "peak RSS", "cuda": "max allocated"}.get(report["device"], "peak")
-    lines = [f"| script | flags | estimate | measured ({measure}) | measured / estimate |", "|---|---|---:|---:|---:|"]
+    head = f"| script | flags | estimate | measured ({measure}) | measured / estimate |"
+    lines = [head + (" CUDA estimate | CUDA max allocated | CUDA ratio |" if cuda else ""),
+             "|---|---|---:|---:|---:|" + ("---:|---:|---:|" if cuda else "")]
     for r in report["rows"]:
         if r["size"] == size:
+            c = cuda.get((r["script"], r["flags"]))
+            cells = (f" {_gib(c['estimate'])} | {_gib(c['measured'])} | {c['measured_over_estimate']:.2f} |" if c
+                     else " - | - | - |") if cuda else ""
             lines.append(f"| {r['script']} | `{r['flags']}` | {_gib(r['estimate'])} | {_gib(r['measured'])} | "
-                         f"{r['measured_over_estimate']:.2f} |")
+                         f"{r['measured_over_estimate']:.2f} |" + cells)
     runs = [r for r in report["rows"] if r["size"] == size]
     whole = report.get("bench_wall_seconds", {}).get(size)
     lines += ["", f"{len(runs)} runs, {sum(r['wall_seconds'] for r in runs) / 60:.1f} min of wall time in all "
@@ -282,8 +290,11 @@ def render(path, size="real"):
               + (f"; `python bench/memory_estimate.py --sizes {size}` took {whole / 60:.1f} min, writing the "
                  f"models included." if whole else "."),
               "", caption(report["machine"]) + f" Target: measured / estimate within {report['target'][0]}-"
-              f"{report['target'][1]}. The CUDA column has not been measured yet (no GPU was available)."
+              f"{report['target'][1]}." + ("" if cuda else " The CUDA column has not been measured yet (no GPU "
+                                                         "was available).")
               if report["device"] == "cpu" else caption(report["machine"])]
+    if cuda:
+        lines += ["", "CUDA columns: `python bench/gpu.py`, row memory (target within 0.8-1.2). " + caption(gpu_machine)]
     return "\n".join(lines)
 
 
