@@ -319,7 +319,8 @@ def main(argv=None):
         return 2
     ctx = argparse.Namespace(device=args.device, tiny=args.tiny, smollm2_dir=args.smollm2_dir, models=args.models,
                              dtype="bf16" if args.device == "cuda" else "fp32",
-                             deadline=time.monotonic() + (args.budget or (1200 if args.tiny else 480)), work=tempfile.mkdtemp(prefix="byhand-gpu-"))
+                             deadline=time.monotonic() + (args.budget or (1200 if args.tiny else 480)),
+                             work=tempfile.mkdtemp(prefix="byhand-gpu-"))
     desc = machine.describe()
     report = {"bench": "gpu", "device": args.device, "tiny": args.tiny, "machine": desc, "rows": []}
 

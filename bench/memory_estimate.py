@@ -294,7 +294,8 @@ def render(path, size="real", gpu_path=None):
                                                          "was available).")
               if report["device"] == "cpu" else caption(report["machine"])]
     if cuda:
-        lines += ["", "CUDA columns: `python bench/gpu.py`, row memory (target within 0.8-1.2). " + caption(gpu_machine)]
+        lines += ["", "CUDA columns: `python bench/gpu.py`, row memory (target within 0.8-1.2). "
+                  + caption(gpu_machine)]
     return "\n".join(lines)
 
 
