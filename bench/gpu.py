@@ -33,6 +33,7 @@ it to the GPU machine and pass --smollm2-dir.
 import argparse
 import json
 import os
+import resource
 import shutil
 import signal
 import subprocess
@@ -66,7 +67,7 @@ def run_script(ctx, script, flags, name, timeout, nproc=None):
     timeout = min(timeout, ctx.deadline - time.monotonic())
     if timeout < 5:
         raise TimeoutError(f"{script}: the budget is spent")
-    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ctx.env,
                             start_new_session=True)  # its own process group: a timeout ends torchrun's ranks too
     try:
         out, err = proc.communicate(timeout=timeout)
@@ -122,7 +123,7 @@ def gpt_flags(ctx, steps, batch=16):
 
 # --- the rows, most important first ------------------------------------------------------------------
 def row_train(ctx):
-    steps = 8 if ctx.tiny else 50
+    steps = 6 if ctx.tiny else 50  # tiny: 6 losses, enough for the first 5 (row onefile) and the last 5
     extra = ["--dtype", ctx.dtype, "--sample-tokens", "0"] + ([] if ctx.tiny else ["--compile"])
     records = run_script(ctx, "train.py", gpt_flags(ctx, steps) + extra, "train", 150)
     loss = losses(records)
@@ -135,7 +136,7 @@ def row_train(ctx):
 
 
 def row_onefile(ctx):
-    steps = 8 if ctx.tiny else 50  # the same run as row train (the schedule depends on --steps), without
+    steps = 6 if ctx.tiny else 50  # the same run as row train (the schedule depends on --steps), without
     ref = getattr(ctx, "train_losses", None)  # --compile and --dtype, which onefile_train.py does not have
     if ref is None:  # row train did not run or failed: train.py again, uncompiled
         ref = losses(run_script(ctx, "train.py", gpt_flags(ctx, steps) + ["--dtype", ctx.dtype, "--sample-tokens",
@@ -150,7 +151,7 @@ def row_onefile(ctx):
 
 def row_fsdp(ctx):
     nproc = torch.cuda.device_count() if ctx.device == "cuda" else 1
-    flags = gpt_flags(ctx, 8 if ctx.tiny else 30, batch=8) + ["--dtype", ctx.dtype, "--sample-tokens", "0",
+    flags = gpt_flags(ctx, 3 if ctx.tiny else 30, batch=8) + ["--dtype", ctx.dtype, "--sample-tokens", "0",
                                                               "--no-export"]  # 8 x 1,024 tokens a rank
     records = run_script(ctx, "train_fsdp.py", flags, "fsdp", 150 if ctx.tiny else 120, nproc=nproc)
     return {"ranks": nproc, "tokens_per_s": later_half(records, "tokens_per_s"), "mfu": later_half(records, "mfu"),
@@ -228,9 +229,32 @@ def row_judge(ctx):
             "ok": drift < 0.1 and all(loss == loss for loss in losses(records))}
 
 
+def write_splade_tiny(out_dir, n_train=16, n_val=4):
+    """--train-file and --val-file for --tiny: a few docstring -> code pairs in the stdlib set's form
+    (building that set takes ~20 s)."""
+    paths = {name: os.path.join(out_dir, f"{name}.jsonl") for name in ("train", "val")}
+    os.makedirs(out_dir, exist_ok=True)
+    verbs, nouns = ["read", "write", "close", "parse", "join"], ["file", "path", "header", "line"]
+    pairs = [(v, n) for v in verbs for n in nouns]
+    for (name, path), chunk in zip(paths.items(), (pairs[:n_train], pairs[n_train:n_train + n_val])):
+        with open(path, "w", encoding="utf-8") as f:
+            for i, (verb, noun) in enumerate(chunk):
+                other = pairs[(i + 7) % len(pairs)]
+                f.write(json.dumps({"query": f"{verb.title()} the {noun} and return it.",
+                                    "positive_document": f"def {verb}_{noun}(self):\n    return self.{noun}",
+                                    "negative_documents": [f"def {other[0]}_{other[1]}(x):\n    pass"]}) + "\n")
+    return paths
+
+
 def row_splade(ctx):
-    if ctx.tiny:
-        flags = ["--steps", "3", "--index", "none", "--log-interval", "1"]
+    if ctx.tiny:  # the same flags at a tiny shape: a 2-layer, 32-wide BERT with bert-base-uncased's vocabulary
+        bert = memory_estimate.write_bert(os.path.join(ctx.models, "bert-tiny"), dict(
+            hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64,
+            max_position_embeddings=64))
+        data = write_splade_tiny(os.path.join(ctx.work, "splade-data"))
+        flags = ["--init-from", bert, "--train-file", data["train"], "--val-file", data["val"], "--steps", "3",
+                 "--batch-size", "4", "--max-length", "32", "--max-query-length", "16", "--index", "none",
+                 "--log-interval", "1"]
     else:
         bert = memory_estimate.write_bert(os.path.join(ctx.models, "bert-base"))
         data = memory_estimate.write_splade_data(os.path.join(ctx.models, "splade-stdlib"))
@@ -238,8 +262,8 @@ def row_splade(ctx):
                  "--steps", "12", "--index", "none", "--log-interval", "1"]
     mixed = run_script(ctx, "train_splade_optimized.py", flags + ([] if ctx.tiny else ["--mixed-precision"])
                        + ["--dtype", ctx.dtype], "splade_mixed", 150 if ctx.tiny else 120)
-    fp32 = run_script(ctx, "train_splade_optimized.py", flags + ["--dtype", "fp32"], "splade_fp32",
-                      150 if ctx.tiny else 120)
+    fp32 = mixed if ctx.tiny else run_script(ctx, "train_splade_optimized.py", flags + ["--dtype", "fp32"],
+                                             "splade_fp32", 120)  # on a CPU both are the same command: run once
     rel = [abs(a - b) / max(abs(b), 1e-6) for a, b in zip(losses(mixed)[:3], losses(fp32)[:3])]
     return {"mixed_precision": not ctx.tiny, "steps_per_s": steps_per_s(mixed), **memory(mixed),
             "fp32_steps_per_s": steps_per_s(fp32), "fp32_peak_bytes": end(fp32)["peak_memory"],
@@ -270,13 +294,12 @@ def row_memory(ctx):
     cases = [c for c in memory_estimate.CASES if c[1] == "tiny" and c[0] == "train.py"] if ctx.tiny else \
         [c for c in memory_estimate.CASES if c[1] == "real"]
     paths = memory_estimate.write_models(ctx.models, ["tiny"] if ctx.tiny else ["real"])
-    env = dict(os.environ)
     cases_out, failed = [], []
     for script, size, flags in cases:
         row = {"script": script, "size": size, "flags": flags.format(**paths).replace(ctx.models, "MODELS")}
         timeout = min(150 if ctx.tiny else 120, ctx.deadline - time.monotonic())
         try:
-            row.update(memory_estimate.run_case(script, flags.format(**paths), ctx.device, ctx.work, env,
+            row.update(memory_estimate.run_case(script, flags.format(**paths), ctx.device, ctx.work, ctx.env,
                                                 timeout=timeout))
             row.pop("printed")
             cases_out.append(row)
@@ -301,6 +324,12 @@ def write_atomic(path, report):
     os.replace(tmp, path)
 
 
+def cpu_seconds():
+    """CPU time (user + sys) of this process and its finished children: a row's cost on a busy machine."""
+    return sum(r.ru_utime + r.ru_stime for r in map(resource.getrusage, (resource.RUSAGE_SELF,
+                                                                          resource.RUSAGE_CHILDREN)))
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0], formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--device", default="cuda", help="cuda (the visit), or cpu with --tiny (the suite)")
@@ -320,7 +349,9 @@ def main(argv=None):
     ctx = argparse.Namespace(device=args.device, tiny=args.tiny, smollm2_dir=args.smollm2_dir, models=args.models,
                              dtype="bf16" if args.device == "cuda" else "fp32",
                              deadline=time.monotonic() + (args.budget or (1200 if args.tiny else 480)),
-                             work=tempfile.mkdtemp(prefix="byhand-gpu-"))
+                             work=tempfile.mkdtemp(prefix="byhand-gpu-"), env=dict(os.environ))
+    if args.tiny:  # one thread: tiny matmuls gain nothing from a second, and on a busy CPU threads wait on each other
+        ctx.env.setdefault("OMP_NUM_THREADS", "1")
     desc = machine.describe()
     report = {"bench": "gpu", "device": args.device, "tiny": args.tiny, "machine": desc, "rows": []}
 
@@ -331,7 +362,7 @@ def main(argv=None):
     for name, function in ROWS:
         if args.only and name not in args.only:
             continue
-        row, t0 = {"row": name, "machine": desc}, time.monotonic()
+        row, t0, cpu0 = {"row": name, "machine": desc}, time.monotonic(), cpu_seconds()
         ctx.partial = lambda figures: record({**row, "ok": False, "error": "in progress (cut short?)", **figures})
         try:
             if time.monotonic() > ctx.deadline - 10:
@@ -342,6 +373,7 @@ def main(argv=None):
         except Exception as e:  # recorded, not fatal: the next row runs
             row.update(ok=False, error=f"{type(e).__name__}: {e}")
         row["seconds"] = round(time.monotonic() - t0, 1)
+        row["cpu_seconds"] = round(cpu_seconds() - cpu0, 1)  # user + sys, this process and its children
         record(row)
         print(json.dumps({k: v for k, v in row.items() if k != "machine"}), flush=True)
     shutil.rmtree(ctx.work, ignore_errors=True)
@@ -379,7 +411,7 @@ def _figure(key, value):
 
 
 def describe_row(row):
-    skip = ("row", "ok", "machine", "seconds", "cases", "peak_per_rank_bytes")
+    skip = ("row", "ok", "machine", "seconds", "cpu_seconds", "cases", "peak_per_rank_bytes")
     return "; ".join(_figure(k, v) for k, v in row.items() if k not in skip)
 
 

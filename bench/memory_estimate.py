@@ -101,15 +101,15 @@ def write_smollm2(out_dir):
     return out_dir
 
 
-def write_bert(out_dir):
-    """A bert-base-shaped BertForMaskedLM directory (12 layers, 768 wide, 30,522 tokens) with the real
-    bert-base-uncased tokenizer files."""
+def write_bert(out_dir, shape=None):
+    """A bert-base-shaped BertForMaskedLM directory (12 layers, 768 wide, 30,522 tokens; shape: other
+    BertConfig fields) with the real bert-base-uncased tokenizer files."""
     import torch
 
     from lib import bert
     if not os.path.isfile(os.path.join(out_dir, "model.safetensors")):
         torch.manual_seed(0)
-        cfg = bert.BertConfig()  # bert-base-uncased's shape
+        cfg = bert.BertConfig(**(shape or {}))  # bert-base-uncased's shape
         os.makedirs(out_dir, exist_ok=True)
         bert.save_pretrained(bert.init_weights(bert.build_model(cfg)), cfg, out_dir)
         for name in ("tokenizer.json", "tokenizer_config.json"):

@@ -31,7 +31,9 @@ def test_tiny_run_gives_every_row_ok_with_numbers(tmp_path):
         assert rows["finetune"][run]["step_s"] > 0 and 0.5 < rows["finetune"][run]["peak_over_estimate"] < 2
     assert rows["finetune"]["nf4_codes_equal_cpu"] is True
     assert rows["judge"]["base"] == "nf4" and 0 < rows["judge"]["adam8bit_weights_apart_over_moved"] < 0.1
-    assert rows["splade"]["max_rel_diff"] == 0.0  # on a CPU both runs are fp32: identical
+    splade = rows["splade"]  # on a CPU both runs are the same fp32 command, run once: the comparison's plumbing
+    assert splade["max_rel_diff"] == 0.0 and len(splade["first3_mixed"]) == 3 and splade["steps_per_s"] > 0
+    assert 0.5 < splade["peak_over_estimate"] < 2
     assert rows["wpo"]["max_rel_loss_diff"] <= 1e-4 and len(rows["wpo"]["chunked"]["loss"]) == 2
     assert rows["memory"]["cases"][0]["script"] == "train.py" and rows["memory"]["cases"][0]["measured"] > 0
 
