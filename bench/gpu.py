@@ -26,11 +26,14 @@ SmolLM2-135M-shaped model with random weights (the same memory and speed as the 
 real weights build the directory where there is a network (tests/fixtures/make_smollm2_dir.py), carry
 it to the GPU machine and pass --smollm2-dir.
 
---tiny: the same rows, code paths and checks at tiny shapes, with two differences a CPU forces: no
---compile (compiling takes minutes on a CPU) and no --mixed-precision in row splade (refused on a CPU).
+--tiny: the same rows, code paths and checks at tiny shapes and data (README.md for the GPT-2 rows, a few
+written pairs for SPLADE), one thread a child, with two differences a CPU forces: no --compile (compiling
+takes minutes on a CPU) and no --mixed-precision in row splade (refused on a CPU), whose two runs are then
+the same command, run once.
 """
 
 import argparse
+import concurrent.futures
 import json
 import os
 import resource
@@ -81,6 +84,13 @@ def run_script(ctx, script, flags, name, timeout, nproc=None):
         return [json.loads(line) for line in f]
 
 
+def run_scripts(ctx, jobs):
+    """run_script for each (script, flags, name, timeout) of jobs: one after another on the GPU (each its
+    timing alone), two at a time on --tiny, where only the code paths count and the CPU has two cores."""
+    with concurrent.futures.ThreadPoolExecutor(2 if ctx.tiny else 1) as pool:
+        return list(pool.map(lambda job: run_script(ctx, *job), jobs))
+
+
 def tail(text, n=15):
     return "\n".join(text.strip().splitlines()[-n:])
 
@@ -116,7 +126,8 @@ def later_half(records, key):
 
 
 def gpt_flags(ctx, steps, batch=16):
-    shape = GPT_TINY.split() if ctx.tiny else ["--model-size", "gpt2", "--batch-size", str(batch)]
+    shape = [*GPT_TINY.split(), "--data", "README.md"] if ctx.tiny else ["--model-size", "gpt2", "--batch-size",
+                                                                         str(batch)]  # tiny: 9k tokens
     return [*shape, "--steps", str(steps), "--warmup-steps", "2" if ctx.tiny else "10", "--eval-batches", "1",
             "--eval-interval", "100000", "--log-interval", "1", "--seed", "1337"]
 
@@ -165,11 +176,10 @@ def row_finetune(ctx):
     flags = ["--init-from", base, "--dtype", ctx.dtype, "--batch-size", "2" if ctx.tiny else "8", "--steps",
              "3" if ctx.tiny else "12", "--warmup-steps", "2", "--eval-batches", "1", "--eval-interval", "100000",
              "--log-interval", "1", "--sample-tokens", "0"]
-    result = {}
-    for name, script, extra in (("lora", "finetune_lora.py", []), ("qlora", "finetune_qlora.py", []),
-                                ("qlora_grad_checkpoint", "finetune_qlora.py", ["--grad-checkpoint"])):
-        records = run_script(ctx, script, flags + extra, name, 150 if ctx.tiny else 90)
-        result[name] = {"step_s": round(1 / steps_per_s(records), 4), **memory(records)}
+    runs = (("lora", "finetune_lora.py", []), ("qlora", "finetune_qlora.py", []),
+            ("qlora_grad_checkpoint", "finetune_qlora.py", ["--grad-checkpoint"]))
+    records = run_scripts(ctx, [(script, flags + extra, name, 150 if ctx.tiny else 90) for name, script, extra in runs])
+    result = {name: {"step_s": round(1 / steps_per_s(r), 4), **memory(r)} for (name, _, _), r in zip(runs, records)}
     # NF4: the same weight quantised on this device and on the CPU gives the same bytes.
     from lib.nf4 import quantize_nf4
     w = torch.randn(64 if ctx.tiny else 768, 192 if ctx.tiny else 2304, generator=torch.Generator().manual_seed(0))
@@ -278,28 +288,29 @@ def row_wpo(ctx):
         flags = ["--data", "cifar10", "--data-dir", memory_estimate.write_cifar(os.path.join(ctx.models, "cifar10")),
                  "--train_kernel_size", "10", "--train_samples_size", "10", "--test_samples_size", "0",
                  "--niters", "3", "--num-samples", "0"]
-    result, runs = {}, {}
-    for strategy in ("chunked", "single_gpu"):
-        extra = ["--strategy", strategy] + (["--chunk_size", "2" if ctx.tiny else "4"] if strategy == "chunked" else [])
-        runs[strategy] = run_script(ctx, "train_wpo_sgm_memory_efficient.py", flags + extra, strategy,
-                                    150 if ctx.tiny else 90)
-        result[strategy] = {"loss": losses(runs[strategy]), **memory(runs[strategy])}
+    strategies = {"chunked": ["--chunk_size", "2" if ctx.tiny else "4"], "single_gpu": []}
+    jobs = [("train_wpo_sgm_memory_efficient.py", flags + ["--strategy", name, *extra], name, 150 if ctx.tiny else 90)
+            for name, extra in strategies.items()]
+    runs = dict(zip(strategies, run_scripts(ctx, jobs)))
+    result = {name: {"loss": losses(r), **memory(r)} for name, r in runs.items()}
     a, b = losses(runs["chunked"]), losses(runs["single_gpu"])
     diff = max(abs(x - y) / max(abs(y), 1e-6) for x, y in zip(a, b))
     return {**result, "max_rel_loss_diff": diff, "tolerance_rel": 1e-4, "ok": len(a) == len(b) and diff <= 1e-4}
 
 
 def row_memory(ctx):
-    """memory_estimate.py's cases on this device, one child each: real sizes (on --tiny: train.py's tiny case)."""
+    """memory_estimate.py's cases on this device, one child each: real sizes (on --tiny: train.py's tiny case
+    at row train's shape)."""
     cases = [c for c in memory_estimate.CASES if c[1] == "tiny" and c[0] == "train.py"] if ctx.tiny else \
         [c for c in memory_estimate.CASES if c[1] == "real"]
     paths = memory_estimate.write_models(ctx.models, ["tiny"] if ctx.tiny else ["real"])
     cases_out, failed = [], []
     for script, size, flags in cases:
-        row = {"script": script, "size": size, "flags": flags.format(**paths).replace(ctx.models, "MODELS")}
+        flags = flags.format(**paths) + (f" {GPT_TINY} --dtype {ctx.dtype}" if ctx.tiny else "")
+        row = {"script": script, "size": size, "flags": flags.replace(ctx.models, "MODELS")}
         timeout = min(150 if ctx.tiny else 120, ctx.deadline - time.monotonic())
         try:
-            row.update(memory_estimate.run_case(script, flags.format(**paths), ctx.device, ctx.work, ctx.env,
+            row.update(memory_estimate.run_case(script, flags, ctx.device, ctx.work, ctx.env,
                                                 timeout=timeout))
             row.pop("printed")
             cases_out.append(row)
