@@ -39,6 +39,7 @@ def describe(quiet=None):
         "cpu": cpu_name(),
         "cores": os.cpu_count(),
         "gpu": gpu,
+        **(gpu_details() if gpu else {}),
         "torch": torch.__version__,
         "python": platform.python_version(),
         "date": datetime.date.today().isoformat(),
@@ -48,9 +49,26 @@ def describe(quiet=None):
     }
 
 
+def gpu_details():
+    """How many GPUs, the first one's memory, the driver (from nvidia-smi, where it is) and CUDA version."""
+    import subprocess
+
+    import torch
+    try:
+        driver = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                capture_output=True, text=True, timeout=30).stdout.split("\n")[0].strip() or None
+    except (OSError, subprocess.SubprocessError):
+        driver = None
+    return {"gpu_count": torch.cuda.device_count(), "driver": driver, "cuda": torch.version.cuda,
+            "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1)}
+
+
 def caption(machine):
     """One line naming what a measured table ran on, for the docs."""
     device = machine.get("gpu") or f"{machine['cpu']}, {machine['cores']} cores"
+    if machine.get("gpu_memory_gib"):
+        device += (f" ({machine['gpu_count']} x {machine['gpu_memory_gib']} GiB, driver {machine['driver']}, "
+                   f"CUDA {machine['cuda']})")
     load = {True: "quiet machine",
             False: "shared machine (times are rough)"}.get(machine.get("quiet"), "load not recorded")
     return f"Measured on {device}, torch {machine['torch']}, {machine['date']}, {load}."

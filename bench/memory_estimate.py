@@ -109,15 +109,15 @@ def write_smollm2(out_dir):
     return out_dir
 
 
-def write_bert(out_dir):
-    """A bert-base-shaped BertForMaskedLM directory (12 layers, 768 wide, 30,522 tokens) with the real
-    bert-base-uncased tokenizer files."""
+def write_bert(out_dir, shape=None):
+    """A bert-base-shaped BertForMaskedLM directory (12 layers, 768 wide, 30,522 tokens; shape: other
+    BertConfig fields) with the real bert-base-uncased tokenizer files."""
     import torch
 
     from lib import bert
     if not os.path.isfile(os.path.join(out_dir, "model.safetensors")):
         torch.manual_seed(0)
-        cfg = bert.BertConfig()  # bert-base-uncased's shape
+        cfg = bert.BertConfig(**(shape or {}))  # bert-base-uncased's shape
         os.makedirs(out_dir, exist_ok=True)
         bert.save_pretrained(bert.init_weights(bert.build_model(cfg)), cfg, out_dir)
         for name in ("tokenizer.json", "tokenizer_config.json"):
@@ -171,15 +171,21 @@ def write_models(models_dir, sizes):
     return paths
 
 
+def torch_cuda_count():
+    import torch
+    return torch.cuda.device_count()
+
+
 # --- one case ------------------------------------------------------------------------------------
-def run_case(script, flags, device, work, env):
+def run_case(script, flags, device, work, env, timeout=None):
     out_dir = os.path.join(work, "out")
     shutil.rmtree(out_dir, ignore_errors=True)
     cmd = [sys.executable, script, *flags.split(), "--out-dir", out_dir, "--device", device]
-    if script == "train_fsdp.py":  # two ranks, gloo on a CPU
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", *cmd[1:]]
+    if script == "train_fsdp.py":  # two ranks: gloo on a CPU, nccl on two GPUs (one rank where there is one)
+        ranks = min(2, torch_cuda_count()) if device.startswith("cuda") else 2
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *cmd[1:]]
     before, t0 = resource.getrusage(resource.RUSAGE_CHILDREN), time.perf_counter()
-    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env, timeout=timeout)
     wall, after = time.perf_counter() - t0, resource.getrusage(resource.RUSAGE_CHILDREN)
     if out.returncode:
         raise RuntimeError(f"{script} {flags} failed:\n{out.stdout[-1500:]}\n{out.stderr[-2500:]}")
@@ -271,19 +277,27 @@ def _gib(b):
     return f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.0f} MiB"
 
 
-def render(path, size="real"):
-    """Markdown: every script's estimate, measured peak and ratio at this size, and the machine."""
+def render(path, size="real", gpu_path=None):
+    """Markdown: every script's estimate, measured peak and ratio at this size, and the machine; with
+    gpu_path (bench/gpu.py's result, where a GPU wrote one) the CUDA columns beside them."""
+    from bench.gpu import memory_cases
     from bench.machine import caption
     with open(os.path.join(ROOT, path)) as f:
         report = json.load(f)
+    cuda, gpu_machine = memory_cases(gpu_path) if gpu_path else ({}, None)
     measure = {"cpu": "peak RSS", "cuda": "max allocated"}.get(report["device"], "peak")
-    lines = [f"| script | flags | estimate | measured ({measure}) | measured / estimate |", "|---|---|---:|---:|---:|"]
+    head = f"| script | flags | estimate | measured ({measure}) | measured / estimate |"
+    lines = [head + (" CUDA estimate | CUDA max allocated | CUDA ratio |" if cuda else ""),
+             "|---|---|---:|---:|---:|" + ("---:|---:|---:|" if cuda else "")]
     estimating = {script for script, _, _ in CASES}  # a row of a script that no longer estimates is not shown
     report["rows"] = [r for r in report["rows"] if r["script"] in estimating]
     for r in report["rows"]:
         if r["size"] == size:
+            c = cuda.get((r["script"], r["flags"]))
+            cells = (f" {_gib(c['estimate'])} | {_gib(c['measured'])} | {c['measured_over_estimate']:.2f} |" if c
+                     else " - | - | - |") if cuda else ""
             lines.append(f"| {r['script']} | `{r['flags']}` | {_gib(r['estimate'])} | {_gib(r['measured'])} | "
-                         f"{r['measured_over_estimate']:.2f} |")
+                         f"{r['measured_over_estimate']:.2f} |" + cells)
     runs = [r for r in report["rows"] if r["size"] == size]
     whole = report.get("bench_wall_seconds", {}).get(size)
     lines += ["", f"{len(runs)} runs, {sum(r['wall_seconds'] for r in runs) / 60:.1f} min of wall time in all "
@@ -291,8 +305,12 @@ def render(path, size="real"):
               + (f"; `python bench/memory_estimate.py --sizes {size}` took {whole / 60:.1f} min, writing the "
                  f"models included." if whole else "."),
               "", caption(report["machine"]) + f" Target: measured / estimate within {report['target'][0]}-"
-              f"{report['target'][1]}. The CUDA column has not been measured yet (no GPU was available)."
+              f"{report['target'][1]}." + ("" if cuda else " The CUDA column has not been measured yet (no GPU "
+                                                         "was available).")
               if report["device"] == "cpu" else caption(report["machine"])]
+    if cuda:
+        lines += ["", "CUDA columns: `python bench/gpu.py`, row memory (target within 0.8-1.2). "
+                  + caption(gpu_machine)]
     return "\n".join(lines)
 
 
