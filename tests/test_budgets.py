@@ -25,7 +25,6 @@ def test_onefile_train_has_no_line_over_120_characters():
     assert not long, "\n".join(f"{where} is {length} characters long, over 120" for where, length in long)
 
 
-@pytest.mark.xfail(strict=False, reason="long lines being wrapped")
 def test_no_line_of_a_script_or_lib_over_120_characters():
     long = [(where, length) for where, length, _ in script_lines.violations(ROOT) if ":" in where]
     assert not long, "\n".join(f"{where} is {length} characters long, over {script_lines.MAX_LINE}"
