@@ -78,7 +78,8 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
     g.add_argument("--grad-clip", type=guards.nonneg_float, default=1.0, help="clip the global gradient norm (0: off)")
     g.add_argument("--grad-checkpoint", action=argparse.BooleanOptionalAction, default=False,
                    help="activation checkpointing: keep only each block's input from forward and run the block "
-                   "again in backward (about a third more compute, most of the activation memory saved)")
+                   "again in backward (one more forward: with the base frozen, about half again the compute; most "
+                   "of the activation memory saved)")
     g = p.add_argument_group("run")
     g.add_argument("--device", help="cuda, cuda:N, mps or cpu; when not given, the first available in that order")
     g.add_argument("--dtype", default="auto", choices=["auto", "fp32", "bf16", "fp16"], help=dtype_help)
