@@ -401,6 +401,7 @@ BY_HAND = [
     ("docs/qlora_explained.md", "475 MiB", "GPT-2 124M's parameters x 4 bytes"),
     ("docs/qlora_explained.md", "32 MiB", "glibc's documented ceiling of its mmap threshold"),
     ("docs/splade_explained.md", "5.94 GiB", "17,408 tokens x 30,522 x 12 bytes, worked on the page"),
+    ("docs/splade_explained.md", "128 KiB", "glibc's documented starting mmap threshold"),
     ("docs/splade_explained.md", "32 MiB", "glibc's documented ceiling of its mmap threshold"),
     ("docs/splade_explained.md", "17.7 MB", "4.4M parameters x 4 bytes"),
     ("docs/wpo_sgm_memory.md", "36 GB", "K = 1000 x 3072^2 x 4 bytes, as the original README prints it"),
