@@ -275,6 +275,8 @@ def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(case, unbrok
         before = snapshot(out)
         code, log = run_script(case, out, "--resume", data_flags=data_flags.get(name, ()))
         message = log if case.torchrun else capsys.readouterr().err.strip()
+        if not case.torchrun:  # a warning before it (judge_train_cuda.py on a machine without CUDA) is not the error
+            message = "\n".join(line for line in message.splitlines() if not line.startswith("warning: "))
         assert code == 2, saved
         assert case.torchrun or (len(message.splitlines()) == 1 and message.startswith("error: ")), message
         assert str(path) in message or saved in message, message
