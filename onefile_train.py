@@ -389,8 +389,8 @@ def run(args, parser, argv):
         raise UserError(f"--out-dir {args.out_dir} cannot be written ({error.strerror}); pick another one") from None
     train_state = check_run_dir(args, argv, parser._option_string_actions, world, log)
     torch.manual_seed(args.seed)  # the same seed on every rank: identical initial weights. Rank 0 alone writes.
-    # bf16 autocast on a GPU or CPU that has it (weights, gradients and AdamW stay fp32), else fp32 throughout.
-    amp = torch.bfloat16 if (torch.cuda.is_bf16_supported() if device.type == "cuda" else cpu_has_bf16()) else None
+    # bf16 autocast where the GPU (False: in hardware, not emulated) or CPU has it; weights, grads, AdamW stay fp32
+    amp = torch.bfloat16 if (torch.cuda.is_bf16_supported(False) if device.type == "cuda" else cpu_has_bf16()) else None
 
     # --- model configuration (recorded for a later --resume), its size and the memory it needs at least ---
     shape = {key: getattr(args, key) for key in ("n_layer", "n_head", "n_embd", "block_size") if getattr(args, key)}
