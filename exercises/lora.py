@@ -55,7 +55,8 @@ def merge_lora(model: nn.Module) -> nn.Module:
     """Fold every LoRA layer into a plain nn.Linear, in place: W' = W + scale * B @ A, and return the model.
 
     Our weights are [out, in] (nn.Linear), so no transpose is needed. An NF4 base is dequantised first
-    (lib.nf4.dequantize_linear, to its original dtype); form the sum in fp32, then cast it to the base
+    (lib.nf4.dequantize_linear(layer) returns a whole plain nn.Linear, bias included, in the original dtype);
+    form the sum in fp32, then cast it to the base
     weight's dtype. lib.nf4.replace_submodule(model, dotted_name, new) puts the plain layer in the LoRA one's place.
     """
     raise NotImplementedError("exercises/lora.py: write merge_lora")

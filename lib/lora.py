@@ -319,3 +319,31 @@ def merge_lora(model: nn.Module) -> nn.Module:
 
 
 merge_lora = exercise.swap("lora", merge_lora)
+
+
+def lora_checks(lora_class=LoRALinear, merge=merge_lora) -> str:
+    """What a run alone would not show, checked when a learner's LoRA is swapped in: a fresh layer must compute its
+    base exactly (B = 0), else training starts from a damaged model and its gain looks larger than it is; and a
+    merged layer must compute what the adapted one did. Returns what is wrong, or ""."""
+    with torch.random.fork_rng():
+        torch.manual_seed(0)
+        base, x = nn.Linear(8, 6), torch.randn(3, 8)
+        layer = lora_class(base, r=2, alpha=4)
+        with torch.no_grad():
+            if not torch.equal(layer(x), base(x)):
+                return "a fresh LoRALinear does not compute its base exactly (lora_B must start at zero)"
+            layer.lora_B.weight.normal_()
+            adapted = layer(x)
+            merged = merge(nn.Sequential(layer))[0]
+            if not torch.allclose(merged(x), adapted, atol=1e-5):
+                return "merge_lora's layer does not compute what the adapted layer did (W + scale * B @ A)"
+    return ""
+
+
+if "lora" in exercise.chosen():
+    try:
+        _wrong = lora_checks()
+    except NotImplementedError as e:
+        exercise.fail(f"exercise lora: {e}")
+    if _wrong:
+        exercise.fail(f"exercise lora: {_wrong}; python -m pytest exercises/test_lora.py shows where")
