@@ -506,7 +506,7 @@ def run(args, parser, argv):
             grad_norm = torch.nn.utils.clip_grad_norm_(raw_model.parameters(), args.grad_clip or float("inf")).item()
             if not math.isfinite(loss_value + grad_norm):  # the update would turn weights into NaN: stop before it
                 raise diverged(f"the loss is {loss_value} and the gradient norm {grad_norm} at step {step}; "
-                               f"stopped before the update")  # (train.py skips a few such updates: lib/guards.py)
+                               f"stopped before the update")  # (train.py skips a few such updates: lib/rundir.Updates)
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
             next_step, record = step + 1, dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)

@@ -4,8 +4,9 @@
     python train.py --model-size gpt2 --compile       # GPT-2 124M on a GPU
     torchrun --standalone --nproc_per_node=2 train.py # DDP: one process per device
 
-onefile_train.py is the core of this training written out in one file (single process, no --init-from,
-no sample); for the flags both have, with the same seed, both print the same loss at every step. Read this
+onefile_train.py is the core of this training written out in one file (DDP too, but no --init-from,
+no sample, no commit folders; its docstring lists the rest); for the flags both have, with the same seed, both record
+the same loss at every step. Read this
 file top to bottom: arguments, then run(): device and distributed setup, model configuration and memory,
 data, model, optimiser, training loop, save, report (the helpers above run() are its bookkeeping).
 
