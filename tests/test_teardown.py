@@ -54,14 +54,14 @@ def test_two_nodes_train_what_one_two_process_node_trains(single_node, tmp_path,
     (each node's local rank 0 tokenises for it), one shared output directory (rank 0 writes)."""
     out = str(tmp_path / "two-nodes")
     port = free_port()
-    # The README's line: "replace `--standalone` with `--nnodes=2 --node-rank=K --rdzv-backend=c10d ...`".
+    # The README's line: "replace `--standalone` with `--nnodes=2 --rdzv-id=JOB --rdzv-backend=c10d ...`".
     readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read().replace("\n", " ")
     flags = re.search(r"`(--nnodes=2 [^`]+)`", readme).group(1).split()
-    assert any(f.startswith("--rdzv-endpoint=HOST:") for f in flags) and "--node-rank=K" in flags
+    assert any(f.startswith("--rdzv-endpoint=HOST:") for f in flags) and "--rdzv-id=JOB" in flags
     procs = []
     for node in range(2):
-        mine = [f.replace("=K", f"={node}").replace("HOST:29500", f"127.0.0.1:{port}") for f in flags]
-        cmd = [sys.executable, "-m", "torch.distributed.run", *mine, "--nproc_per_node=1", "--rdzv-id=byhand-two-nodes",
+        mine = [f.replace("=JOB", "=byhand-two-nodes").replace("HOST:29500", f"127.0.0.1:{port}") for f in flags]
+        cmd = [sys.executable, "-m", "torch.distributed.run", *mine, "--nproc_per_node=1",
                "train.py", *CHEAP, "--data", text_dir, "--out-dir", out]
         env = {**os.environ, "OMP_NUM_THREADS": "1", "BYHAND_CACHE": str(tmp_path / f"cache-node{node}")}
         procs.append(subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE,
