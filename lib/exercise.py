@@ -15,6 +15,8 @@ import os
 import sys
 import types
 
+from lib.errors import UserError, report_and_exit
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -30,8 +32,7 @@ def path_of(name: str) -> str:
 
 def fail(message: str):
     """One line and exit 2 (this runs while a script imports lib/, before its main() can catch a UserError)."""
-    print(f"error: {message}", file=sys.stderr, flush=True)
-    sys.exit(2)
+    report_and_exit(UserError(message))
 
 
 def learner_module(name: str) -> types.ModuleType:
