@@ -232,7 +232,8 @@ def recorded(path, key):
     The file holds "machine" (what is known of the machine: bench.machine's fields), "how" (what was
     run) and "tables" {key: {"header": [...], "align": "l r ...", "rows": [[...]], "note": "..."}} or
     "figures" {key: "text" or {"text": ..., "machine": {...}}}; a table's or figure's own "machine" fields
-    override the file's. The rendering ends with the machine's caption.
+    override the file's. The rendering ends with the machine's caption, or, where "machine" holds
+    "independent" (why no machine changes these figures), with the run's torch version and date.
     """
     import json
     from bench import machine
@@ -244,6 +245,8 @@ def recorded(path, key):
     entry = figure or report["tables"][key]
     where = {**report["machine"], **entry.get("machine", {})}  # a table or figure may say more of its run
     caption = machine.caption(where)
+    if where.get("independent"):  # counts, metrics or bytes no CPU changes: the run is named, not the machine
+        caption = f"Run with torch {where['torch']}, {where['date']}; {where['independent']}."
     if where.get("note"):
         caption = caption[:-1] + f"; {where['note']}."
     if figure:
