@@ -303,9 +303,9 @@ def load_adapter(model: nn.Module, adapter_dir: str, dtype=None) -> dict:
 
 
 def flops_per_token(n_params: int, n_lora: int, n_layer: int, n_embd: int, block_size: int) -> float:
-    """Forward 2N plus backward 2N (input gradients only: the frozen weights need no dW), plus 6 per
-    LoRA parameter and the attention term of lib.metrics.flops_per_token."""
-    return 4 * n_params + 6 * n_lora + 12 * n_layer * n_embd * block_size
+    """Forward 2N plus backward 2N (input gradients) over all N parameters, LoRA's included; plus 2 per LoRA
+    parameter for its weight gradient (the frozen weights need none); plus lib.metrics' attention term."""
+    return 4 * n_params + 2 * n_lora + 12 * n_layer * n_embd * block_size
 
 
 # --- the loop's pieces ----------------------------------------------------------------------------

@@ -295,3 +295,11 @@ def test_help_and_running_as_a_script(capsys):
                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "base weights (NF4 blocks, fp32 embeddings)" in out.stdout
+
+
+def test_flops_per_token_counts_six_per_trainable_and_four_per_frozen_parameter():
+    """Per token: a frozen weight costs 2 (forward) + 2 (input gradient); a LoRA weight 2 more for its own
+    gradient. n_params counts both (lora.count_parameters), so 900 frozen + 100 LoRA, no attention term:
+    900 * 4 + 100 * 6 = 4200. The attention term is lib.metrics': 12 * layers * width * block."""
+    assert finetune.flops_per_token(1000, 100, 0, 64, 128) == 900 * 4 + 100 * 6
+    assert finetune.flops_per_token(1000, 100, 2, 64, 128) == 4200 + 12 * 2 * 64 * 128
