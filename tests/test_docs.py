@@ -383,8 +383,6 @@ BY_HAND = [
     ("docs/big_vocab_loss.md", "4 KiB", "the page size"),
     ("docs/big_vocab_loss.md", "24 GB", "the figure the Cut Cross-Entropy paper reports, cited"),
     ("docs/big_vocab_loss.md", "1 MB", "the figure the Cut Cross-Entropy paper reports, cited"),
-    ("docs/big_vocab_loss.md", "147 MiB", "50,257 x 768 x 4 bytes: a weight gradient"),
-    ("docs/big_vocab_loss.md", "445 MiB", "151,936 x 768 x 4 bytes: a weight gradient"),
     ("docs/fsdp2_explained.md", "23.2 GiB", "1,557,611,200 parameters x 16 bytes, worked on the page"),
     ("docs/fsdp2_explained.md", "313 MiB", "the root unit's parameters x 4 bytes, listed on the page"),
     ("docs/fsdp2_explained.md", "1.5x", "3P against 2P of traffic, worked on the page"),
