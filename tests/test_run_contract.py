@@ -213,10 +213,11 @@ def unbroken(tmp_path_factory, data_flags):
 
 
 def before_any_rank_work(case):
-    """The case run in this process, for a refusal: --resume's checks, a saved run that a fresh run would replace
-    and --resume --overwrite are lib/rundir.prepare's, which every rank runs alike before any process group
-    exists (train_fsdp.run), so a torchrun launch (three torch start-ups) reaches no other code. The refusals
-    that come later, after the ranks joined (the memory check), are still launched under torchrun below."""
+    """The case run in this process, for a refusal: --resume's checks, a saved run that a fresh run would replace,
+    --resume --overwrite and a bad flag are lib/rundir.prepare's and check_args', which every rank runs alike
+    before any process group exists (train_fsdp.run), so a torchrun launch (three torch start-ups) reaches no
+    other code. The memory check comes after the group is joined, but is the same guards.check_memory on one
+    rank; Ctrl-C and a diverging run, where the ranks must agree, are still launched under torchrun."""
     return dataclasses.replace(case, torchrun=False)
 
 
@@ -257,7 +258,7 @@ def test_resume_with_overwrite_is_refused(case, unbroken, data_flags, tmp_path, 
 
 
 def test_overwrite_checks_everything_before_it_removes_anything(case, unbroken, data_flags, tmp_path, capsys):
-    name, case = case
+    name, case = case[0], before_any_rank_work(case[1])
     out = copy_of(unbroken, name, tmp_path)
     before = snapshot(out)
     for bad in case.bad_overwrite:
