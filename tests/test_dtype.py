@@ -105,12 +105,13 @@ def test_onefile_equals_train_py_under_bf16(tmp_path, text_dir, monkeypatch):
 def test_train_py_resume_equals_unbroken_under_bf16(tmp_path, text_dir):
     common = [*TINY, "--batch-size", "2", "--data", text_dir, "--dtype", "bf16", "--eval-interval", "100",
               "--eval-batches", "1", "--dropout", "0.1", "--steps"]
-    train.main([*common, "3", "--out-dir", str(tmp_path / "straight")])
+    # 2 steps, split after the first: the resumed step needs the saved weights, optimizer state and random state.
+    train.main([*common, "2", "--out-dir", str(tmp_path / "straight")])
     train.main([*common, "1", "--out-dir", str(tmp_path / "split")])
-    train.main([*common, "3", "--out-dir", str(tmp_path / "split"), "--resume"])
+    train.main([*common, "2", "--out-dir", str(tmp_path / "split"), "--resume"])
     straight, split = step_losses(tmp_path / "straight"), step_losses(tmp_path / "split")
     assert read_metrics(tmp_path / "split")[0]["dtype"] == "bf16"
-    assert sorted(split) == list(range(3)) and split == straight  # the same bf16 arithmetic: bit for bit
+    assert sorted(split) == list(range(2)) and split == straight  # the same bf16 arithmetic: bit for bit
     a, b = (load_file(tmp_path / d / "model.safetensors") for d in ("straight", "split"))
     for name in a:
         assert torch.equal(a[name], b[name]), name

@@ -2,7 +2,8 @@
 
 One parametrised test per rule, over the ten scripts. Adding a script to the repository means adding
 it to CASES below. Each case runs the script in-process (its main(argv)) with tiny settings, or under
-`torchrun --nproc_per_node=2` where the script needs ranks:
+`torchrun --nproc_per_node=2` where the script needs ranks (but for the refusals every rank makes before
+it joins the others: before_any_rank_work):
 
 - a fresh run into a saved directory is refused, and every file is left as it was;
 - --resume with no other flags after Ctrl-C continues exactly: the saved weights of a run stopped at a
@@ -89,8 +90,8 @@ CASES = {
     "train": Case("train", GPT_TINY, stop_at=2, weights=("model.safetensors",),
                   bad_overwrite=[["--data", "/no/such/corpus"], HUGE_BATCH],
                   diverge=["--lr", "1e38", "--grad-clip", "0"], make_data=lambda tmp, source: ["--data", source]),
-    # Two ranks, and each launch costs seconds: of the saved files, latest.json (the training state), the DCP
-    # metadata and one rank's shard file are truncated in turn (the export is train.py's safetensors check).
+    # Two ranks: of the saved files, latest.json (the training state), the DCP metadata and one rank's shard file
+    # are truncated in turn (the export is train.py's safetensors check), each --resume in this process.
     "train_fsdp": Case("train_fsdp", GPT_TINY, stop_at=2, weights=("model.safetensors",), torchrun=True,
                        saved=("sharded/latest.json", "sharded/step-000004/.metadata",
                               "sharded/step-000004/__1_0.distcp"),
@@ -211,6 +212,15 @@ def unbroken(tmp_path_factory, data_flags):
     return get
 
 
+def before_any_rank_work(case):
+    """The case run in this process, for a refusal: --resume's checks, a saved run that a fresh run would replace,
+    --resume --overwrite and a bad flag are lib/rundir.prepare's and check_args', which every rank runs alike
+    before any process group exists (train_fsdp.run), so a torchrun launch (three torch start-ups) reaches no
+    other code. The memory check comes after the group is joined, but is the same guards.check_memory on one
+    rank; Ctrl-C and a diverging run, where the ranks must agree, are still launched under torchrun."""
+    return dataclasses.replace(case, torchrun=False)
+
+
 def one_error_line(capsys):
     err = capsys.readouterr().err.strip().splitlines()
     return err[-1] if err else ""
@@ -228,7 +238,7 @@ def copy_of(unbroken, name, tmp_path):
 
 
 def test_a_fresh_run_never_replaces_a_saved_one(case, unbroken, data_flags, tmp_path, capsys):
-    name, case = case
+    name, case = case[0], before_any_rank_work(case[1])
     out = copy_of(unbroken, name, tmp_path)
     before = snapshot(out)
     code, log = run_script(case, out, data_flags=data_flags.get(name, ()))
@@ -239,7 +249,7 @@ def test_a_fresh_run_never_replaces_a_saved_one(case, unbroken, data_flags, tmp_
 
 
 def test_resume_with_overwrite_is_refused(case, unbroken, data_flags, tmp_path, capsys):
-    name, case = case
+    name, case = case[0], before_any_rank_work(case[1])
     out = copy_of(unbroken, name, tmp_path)
     before = snapshot(out)
     code, log = run_script(case, out, "--resume", "--overwrite", data_flags=data_flags.get(name, ()))
@@ -248,7 +258,7 @@ def test_resume_with_overwrite_is_refused(case, unbroken, data_flags, tmp_path, 
 
 
 def test_overwrite_checks_everything_before_it_removes_anything(case, unbroken, data_flags, tmp_path, capsys):
-    name, case = case
+    name, case = case[0], before_any_rank_work(case[1])
     out = copy_of(unbroken, name, tmp_path)
     before = snapshot(out)
     for bad in case.bad_overwrite:
@@ -260,7 +270,7 @@ def test_overwrite_checks_everything_before_it_removes_anything(case, unbroken, 
 
 
 def test_each_damaged_saved_file_is_one_line_and_nothing_is_written(case, unbroken, data_flags, tmp_path, capsys):
-    name, case = case
+    name, case = case[0], before_any_rank_work(case[1])
     out = copy_of(unbroken, name, tmp_path)
     # copytree made the top's hard links separate copies; onefile_train.py's one folder is OUT/checkpoint
     newest = sorted((out / "checkpoints").iterdir())[-1] if (out / "checkpoints").is_dir() else out
