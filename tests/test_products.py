@@ -3,12 +3,14 @@ fine-tuning scripts' merged/, SPLADE's index and documents), across run -> --res
 never taken into a commit, never put back by --resume, so the top of OUT keeps the newest one. A resumed
 run cut short (Ctrl-C) commits its state without them and leaves the previous end's products at the top."""
 
+import argparse
 import json
 import os
 import signal
 import sysconfig
 
 import pytest
+import torch
 from safetensors import safe_open
 
 import finetune_lora
@@ -55,7 +57,7 @@ def products_of(out, names):
 
 
 def in_commits(out, names):
-    return [name for folder in rundir.committed(str(out)) for name in names if os.path.exists(os.path.join(folder, name))]
+    return [n for folder in rundir.committed(str(out)) for n in names if os.path.exists(os.path.join(folder, n))]
 
 
 @pytest.mark.parametrize("name", ["fsdp", "finetune", "splade"])
@@ -85,6 +87,10 @@ def test_the_newest_product_stays_at_the_top_across_resumes(name, corpus, base, 
     assert stopped.value.code == 130
     monkeypatch.undo()
     assert products_of(out, names) == second and in_commits(out, names) == []
+    if name == "splade":  # the index is older than the weights now, and a search says so
+        splade.main(["--search", str(out), "--query", "find the code t1"])
+        assert ("the index was built by the model of step 4, the saved model is from step 5 (a resumed run that has "
+                "not finished)") in capsys.readouterr().err
     main([*flags, "--resume"])  # the saved --steps 6: finishes, and writes its products at its end
     third = products_of(out, names)
     assert all(third[n] != second[n] for n in names if n.endswith(".safetensors"))
@@ -94,3 +100,27 @@ def test_the_newest_product_stays_at_the_top_across_resumes(name, corpus, base, 
     if name != "finetune":  # the export's and the index's metadata name the step of the weights they came from
         with safe_open(str(out / names[1 if name == "fsdp" else 0]), framework="pt") as f:
             assert int(f.metadata()["step"]) == 6
+
+
+def test_a_commit_takes_no_product_and_resume_ignores_an_old_copy_in_a_checkpoint(tmp_path):
+    """On a toy run directory: the product at the top is newer than the state; a commit leaves it out, and a
+    checkpoint that holds an older copy (committed before products were declared) has it neither checked
+    nor put back."""
+    spec = rundir.Spec(saved={"training_state.pt": "state", "export/model.json": "json"}, products=("export",))
+    assert spec.committed_files == ("training_state.pt",)
+    out = tmp_path / "run"
+    run = rundir.Run(str(out), spec)
+    (out / "export").mkdir(parents=True)
+    (out / "export" / "model.json").write_text('{"step": 2}')  # the previous end's product
+    torch.save({"step": 3, "args": "{}"}, out / "training_state.pt")
+    rundir.commit(run, argparse.Namespace(keep_last=1), 3)
+    assert sorted(os.listdir(out / "checkpoints" / "step-000003")) == ["training_state.pt"]
+    old = out / "checkpoints" / "step-000003" / "export"
+    old.mkdir()
+    (old / "model.json").write_text('{"step"')  # an old, damaged copy in the checkpoint: not resume state
+    (out / "export" / "model.json").write_text('{"step": 5}')  # this end's product
+    messages = []
+    where, state = rundir.check_saved_run(str(out), spec, messages.append)
+    rundir.restore_top(str(out), where, spec, messages.append)
+    assert state["step"] == 3 and messages == []
+    assert json.loads((out / "export" / "model.json").read_text()) == {"step": 5}
