@@ -86,7 +86,10 @@ def test_the_newest_product_stays_at_the_top_across_resumes(name, corpus, base, 
     signal.signal(signal.SIGINT, signal.default_int_handler)  # save_on_interrupt ignores a second Ctrl-C
     assert stopped.value.code == 130
     monkeypatch.undo()
+    assert os.path.basename(rundir.committed(str(out))[0]) == "step-000005"
     assert products_of(out, names) == second and in_commits(out, names) == []
+    printed = capsys.readouterr()
+    said = printed.out + printed.err
     if name == "splade":  # the index is older than the weights now, and a search says so
         splade.main(["--search", str(out), "--query", "find the code t1"])
         assert ("the index was built by the model of step 4, the saved model is from step 5 (a resumed run that has "
@@ -96,7 +99,7 @@ def test_the_newest_product_stays_at_the_top_across_resumes(name, corpus, base, 
     assert all(third[n] != second[n] for n in names if n.endswith(".safetensors"))
     assert in_commits(out, names) == []
     printed = capsys.readouterr()
-    assert "put back" not in printed.out + printed.err
+    assert "put back" not in said + printed.out + printed.err
     if name != "finetune":  # the export's and the index's metadata name the step of the weights they came from
         with safe_open(str(out / names[1 if name == "fsdp" else 0]), framework="pt") as f:
             assert int(f.metadata()["step"]) == 6
