@@ -40,7 +40,7 @@ def make_parser(description="Fine-tune GPT-2 with LoRA adapters on a frozen base
 
 # The run directory (lib/rundir.py, declared in lib/finetune.py for both fine-tuning scripts): the adapter, the
 # training state and OUT/merged; the flags that make the run what it is, and those a --resume may change.
-RUN = rundir.Spec(saved=finetune.SAVED, optional=finetune.OPTIONAL, written=finetune.WRITTEN, fixed=finetune.FIXED,
+RUN = rundir.Spec(saved=finetune.SAVED, products=finetune.PRODUCTS, written=finetune.WRITTEN, fixed=finetune.FIXED,
                   changeable=finetune.CHANGEABLE, data=("data",))
 
 

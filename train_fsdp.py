@@ -172,10 +172,10 @@ def check_shards(path):
 # reported when they do. How the tensors are sharded is changeable too: DCP reshards on load.
 RUN = rundir.Spec(
     saved={os.path.join(SHARDED, LATEST): check_shards, checkpoint.CONFIG: "json", checkpoint.WEIGHTS: "safetensors"},
-    optional=(checkpoint.CONFIG, checkpoint.WEIGHTS),  # the export: none with --no-export, or before the end
+    products=(checkpoint.CONFIG, checkpoint.WEIGHTS),  # the export, written at the end (not with --no-export)
     written=(rundir.METRICS, SHARDED),
     state_file=os.path.join(SHARDED, LATEST),
-    checkpoint=(SHARDED, checkpoint.CONFIG, checkpoint.WEIGHTS),  # a commit takes the whole sharded/ folder
+    checkpoint=(SHARDED,),  # a commit takes the whole sharded/ folder
     fixed=("model_size", "n_layer", "n_head", "n_embd", "block_size", "dropout", "init_from", "data", "seed",
            "batch_size"),
     # grad_accum may change only with the number of ranks, so that batch x grad_accum x world, the global batch, stays

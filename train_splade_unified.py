@@ -192,7 +192,8 @@ RUN = rundir.Spec(
            INDEX_FILE: check_index, DOCUMENTS_FILE: check_documents},
     # A tokenizer is tokenizer.json or vocab.txt (runs saved before tokenizer.json was written have only
     # vocab.txt; a vocabulary with gaps has no vocab.txt): check_model_dir insists on one of them.
-    optional=("tokenizer.json", "vocab.txt", *(f"best/{name}" for name in MODEL_FILES), INDEX_FILE, DOCUMENTS_FILE),
+    optional=("tokenizer.json", "vocab.txt", *(f"best/{name}" for name in MODEL_FILES)),
+    products=(INDEX_FILE, DOCUMENTS_FILE),  # written at the end, from the final model: in no commit
     written=(rundir.METRICS, "best"),
     same_step=(bert.SAFETENSORS,),
     fixed=("train_file", "val_file", "model_name", "vocab_size", "hidden_size", "num_layers", "num_heads", "dropout",

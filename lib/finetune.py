@@ -362,7 +362,7 @@ def save(run_dir, model, optimizer, step, base_dir, settings, first_val, amp, ar
 # model when --merge wrote one (a fresh run replaces none of them without --overwrite).
 SAVED = {lora.WEIGHTS_NAME: "safetensors", lora.CONFIG_NAME: "json", checkpoint.STATE: "state",
          os.path.join("merged", checkpoint.WEIGHTS): "safetensors", os.path.join("merged", checkpoint.CONFIG): "json"}
-OPTIONAL = (os.path.join("merged", checkpoint.WEIGHTS), os.path.join("merged", checkpoint.CONFIG))
+PRODUCTS = ("merged",)  # written at the end (--merge), after the last commit: in no commit, never put back
 WRITTEN = (rundir.METRICS, "merged")
 # What --resume does with a flag: these make the run what it is (its base and adapter shape, the windows each
 # step reads, the optimizer its moments belong to), so another value is refused; these may change (the

@@ -25,7 +25,9 @@ files, the flags that make the run what it is, the flags a resume may change, it
    new one is. Older ones are then removed (--keep-last, default 1). The top of OUT keeps the files
    where the scripts and transformers look for them; --resume puts back from the checkpoint it resumes
    any that is missing, truncated or replaced, one line each. Only a commit counts: files at the top
-   with no commit are no saved run (--resume refuses them, a new run replaces them).
+   with no commit are no saved run (--resume refuses them, a new run replaces them). What a run writes
+   at its end, after its last commit (Spec.products: an export, merged weights, an index), is in no
+   commit and never put back: the top keeps the newest, until the next end writes it again.
    guards.check_finite_weights comes first: weights holding NaN or inf are never saved.
 4. save_on_interrupt(): Ctrl-C saves the updates made so far and exits 130; SIGTERM (what SLURM,
    Kubernetes and spot machines send before SIGKILL) does the same and exits 143.
@@ -84,6 +86,10 @@ class Spec:
     checkpoint: the files and directories (relative paths) a commit takes into a checkpoint folder;
         by default the saved files. A directory is taken with every file under it (train_fsdp.py's
         sharded/: latest.json and the DCP folder it names).
+    products: of the saved files, those a run writes at its end, after its last commit, from its final
+        weights (train_fsdp.py's export, finetune's merged/, SPLADE's index): outputs, not resume state. A
+        commit never takes them (it would take the previous end's copy) and --resume neither checks nor puts
+        them back; the next end writes them again, and --overwrite removes them.
     """
     saved: dict
     fixed: tuple = ()
@@ -96,10 +102,19 @@ class Spec:
     state_file: str = STATE
     out_flag: str = "--out-dir"
     checkpoint: tuple = ()
+    products: tuple = ()
 
     @property
     def out_dest(self) -> str:
         return self.out_flag.lstrip("-").replace("-", "_")
+
+    def is_product(self, name: str) -> bool:
+        return any(name == p or name.startswith(p + "/") for p in self.products)
+
+    @property
+    def committed_files(self) -> tuple:
+        """What a commit takes and --resume puts back: spec.checkpoint, or the saved files; never a product."""
+        return tuple(e for e in self.checkpoint or tuple(self.saved) if not self.is_product(e))
 
 
 @dataclasses.dataclass
@@ -227,6 +242,8 @@ def check_checkpoint(folder: str, out_dir: str, spec: Spec) -> dict:
                         f"{spec.out_flag} of an earlier run")
     for name, check in spec.saved.items():
         path = os.path.join(folder, name)
+        if spec.is_product(name):
+            continue  # not resume state (an older checkpoint may hold a copy from an earlier end: it is ignored)
         if not os.path.exists(path):
             if name in spec.optional:
                 continue
@@ -277,8 +294,9 @@ def restore_top(out_dir: str, folder: str, spec: Spec, log=print):
     """--resume: the top of OUT made the checkpoint being resumed again (hard links to its files), where a
     save cut short left newer files there, or a file is missing, truncated or replaced: each file put back
     is said in one line. A directory entry (sharded/) loses the files the checkpoint has not (a DCP folder
-    half-written). Every rank of a torchrun may do this at once: each step is a rename to the same file."""
-    entries = spec.checkpoint or tuple(spec.saved)
+    half-written). Products (Spec.products) are left as they are, even where an older checkpoint holds a
+    copy. Every rank of a torchrun may do this at once: each step is a rename to the same file."""
+    entries = spec.committed_files
     keep = set(files_under(folder, entries))
     for rel in sorted(keep):
         top, kept = os.path.join(out_dir, rel), os.path.join(folder, rel)
@@ -464,7 +482,7 @@ def begin(run: Run, args, is_main: bool = True) -> metrics.MetricsLog:
     if is_main:
         os.makedirs(run.out_dir, exist_ok=True)
         if not run.resumed:
-            for name in (CHECKPOINTS, *spec.saved, *spec.checkpoint, *spec.written):
+            for name in (CHECKPOINTS, *spec.saved, *spec.checkpoint, *spec.products, *spec.written):
                 path = os.path.join(run.out_dir, name)
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path)
@@ -491,9 +509,10 @@ def save_state(run: Run, args, state: dict, commit_now: bool = True):
 def commit(run: Run, args, step: int):
     """Make the files of the save just written one checkpoint, OUT/checkpoints/step-N, in one rename.
 
-    1. every file of the checkpoint (spec.checkpoint, or the saved files) is hard-linked into a staging
-       folder, .step-N.tmp-PID: no bytes are copied, and a link keeps its file whole when the top of OUT
-       is later replaced, rename by rename, by the next save;
+    1. every file of the checkpoint (spec.checkpoint, or the saved files; never a product: the top's copy
+       is the previous end's, older than this state) is hard-linked into a staging folder, .step-N.tmp-PID:
+       no bytes are copied, and a link keeps its file whole when the top of OUT is later replaced, rename
+       by rename, by the next save;
     2. the staging folder is synced, then renamed to step-N: the commit point. A crash before it leaves
        the previous checkpoint the newest complete one; a crash after it, this one;
     3. only then are older checkpoints removed, all but the newest --keep-last (default 1).
@@ -509,7 +528,7 @@ def commit(run: Run, args, step: int):
     staging = os.path.join(root, f".{name}.tmp-{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
     fault_point(f"link {name}")
-    for rel in files_under(run.out_dir, run.spec.checkpoint or tuple(run.spec.saved)):
+    for rel in files_under(run.out_dir, run.spec.committed_files):
         link_or_copy(os.path.join(run.out_dir, rel), os.path.join(staging, rel))
     for folder, _, _ in os.walk(staging):
         fsync(folder)  # the links themselves on the disk before the rename that makes them count
@@ -526,7 +545,7 @@ def commit(run: Run, args, step: int):
     # The temporary files of writes cut short (NAME.tmp-PID, lib.checkpoint.atomic_write), beside the files a
     # checkpoint takes: disk use stays bounded however many crashes a run goes through.
     folders = {run.out_dir} | {os.path.dirname(os.path.join(run.out_dir, rel)) for rel in files_under(
-        os.path.join(root, name), run.spec.checkpoint or tuple(run.spec.saved))}
+        os.path.join(root, name), run.spec.committed_files)}
     for folder in folders:
         for left in os.listdir(folder):
             pid = left.rpartition(".tmp-")[2]
