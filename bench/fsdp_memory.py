@@ -15,9 +15,8 @@ the ~250 MB of Python and torch). tokens/s is over all ranks, the first (warm-up
 
 On Linux the launcher sets MALLOC_MMAP_THRESHOLD_=65536 for every run (train.py's too) unless it is
 already set: glibc otherwise keeps freed heap pages, and a CPU peak RSS then remembers every temporary
-(all-gather buffers, the initialisation's full layers) as if it were still alive. Measured on a 2-core
-CPU with gpt2 on 2 ranks (the command in docs/fsdp2_explained.md): 3.03 GiB peak RSS per rank without it,
-1.80 GiB with it, 1.71 GiB estimated.
+(all-gather buffers, the initialisation's full layers) as if it were still alive: without it, an FSDP
+rank's peak was once measured well above its estimate (bench/results/fsdp_memory.json holds the run with it).
 """
 import argparse
 import contextlib
