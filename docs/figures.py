@@ -680,9 +680,9 @@ def judge_estimates(seq="512"):
               f"{e['8-bit AdamW state'] / 2**20:.1f} MiB of 8-bit AdamW state ({2 * lora / 2**20:.0f} MiB in fp32), "
               f"and the loss, {e['loss (one chunk of logits)'] / 2**20:.0f} MiB. The full logits of its "
               f"{cfg.vocab_size:,}-word vocabulary, 2 x {seq} x {cfg.vocab_size:,} values at 16 bytes under bf16 "
-              "autocast (bf16 logits, their fp32 copy, the fp32 log-softmax and its gradient, and the bf16 gradient "
-              f"the head receives: `lib/memory.logits_bytes`), would be {_gib(logits)}, the largest single term: the "
-              "NF4 column would read " + ", ".join(_gib(t) for *_, t in full_logits) + " with them."]
+              "autocast (bf16 logits, the fp32 log-softmax and its gradient, the logits' fp32 gradient and the bf16 "
+              f"gradient the head receives: `lib/memory.logits_bytes`), would be {_gib(logits)}, the largest single "
+              "term: the NF4 column would read " + ", ".join(_gib(t) for *_, t in full_logits) + " with them."]
     return "\n".join(lines)
 
 

@@ -24,8 +24,8 @@ When are the gradients made? Two ways, both here, both in one torch.autograd.Fun
 - recompute=True: forward keeps only the hidden states and one log-sum-exp per row; backward makes
   each chunk's logits again (a fourth matmul) and turns them into the gradients. Nothing the size of
   the weight is held between forward and backward: the choice when they are far apart (a loop that
-  runs several forwards before one backward). On a CPU the loss then takes 1.4 to 1.6 times the
-  CPU time, and in this repo's tiny default the head is most of a step: so it is not the default.
+  runs several forwards before one backward). The loss then costs more CPU time (docs/big_vocab_loss.md
+  measures how much), and in this repo's tiny default the head is most of a step: so it is not the default.
 Checkpointing (torch.utils.checkpoint around a per-chunk F.cross_entropy) would also recompute,
 but it rebuilds each chunk's autograd graph, keeps the chunk's logits, fp32 copy, log-softmax and
 gradient alive together, and hands autograd one [vocab, hidden] weight gradient per chunk to add.
@@ -50,11 +50,9 @@ from lib import exercise
 
 # Rows per chunk: at least MIN_CHUNK_ROWS, more while the chunk's fp32 logits fit CHUNK_BYTES. Fewer
 # rows make the three matmuls slow: each chunk reads the whole [vocab, hidden] weight twice and adds
-# into the whole d_W once. On a 2-core CPU, 1,024 tokens of GPT-2's 50,257 words take 453 ms for the
-# three matmuls in chunks of 256 rows, 386 ms in chunks of 512 and 336 ms in one chunk; with 54 rows
-# of Qwen2's 151,936 words (what 32 MiB alone would give) a CPU spends a quarter more time than on the
-# full logits (docs/big_vocab_loss.md). 128 MiB is 2 chunks of 512 rows for the default GPT-2 batch of
-# 1,024 tokens, and 256 rows (148 MiB) at Qwen2's vocabulary: a quarter of 1,024 rows' logits.
+# into the whole d_W once, so small chunks cost passes: for 1,024 tokens of Qwen2's 151,936 words, 54 rows
+# (what 32 MiB alone would give) make 19 chunks where 256 rows make 4. 128 MiB is 2 chunks of 512 rows for
+# the default GPT-2 batch of 1,024 tokens, and 256 rows (148 MiB) at Qwen2's vocabulary: a quarter of 1,024 rows' logits.
 CHUNK_BYTES = 128 * 2**20
 MIN_CHUNK_ROWS = 256
 

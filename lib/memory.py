@@ -108,9 +108,11 @@ def logits_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool = F
     """What the plain loss, F.cross_entropy over the whole [B, T, vocab] logits, would hold: no
     estimate uses it since lib/lm_loss; kept to show what the chunked loss saves (docs/big_vocab_loss.md).
 
-    fp32: logits, log-probabilities, their gradient and the logits' gradient, 16 bytes per value
-    (measured on CPU: 16.2). Under 16-bit autocast, by count: 16-bit logits, their fp32 copy,
-    fp32 log-probabilities and gradient, and the 16-bit gradient the matmul receives.
+    fp32: logits, log-probabilities, their gradient and the logits' gradient, 16 bytes per value, with
+    the logits still held by the caller. Under 16-bit autocast, an upper count of 16: the 16-bit logits, the fp32
+    log-probabilities and their gradient, the logits' fp32 gradient and the 16-bit one the matmul
+    receives (the fp32 copy the loss makes of the logits is freed after forward: log-softmax's
+    backward needs only its output).
     """
     per_value = (2 + 4 + 4 + 4 + 2) if amp else (4 + 4 + 4 + 4)
     return batch_size * block_size * cfg.vocab_size * per_value
