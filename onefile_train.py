@@ -245,7 +245,7 @@ class Block(nn.Module):
         # Attention. q, k, v: the queries, keys and values of one matmul, each split into heads [B, n_head, T, C/n_head]
         q, k, v = (part.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
                    for part in self.attn.c_attn(self.ln_1(stream)).split(C, dim=2))
-        # SDPA picks a fused (flash / memory-efficient) kernel that never stores the T x T matrix.
+        # SDPA picks a fused (flash / memory-efficient) kernel that never stores the T x T matrix (CPU: at dropout 0).
         heads = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                                dropout_p=self.dropout.p if self.training else 0.0)
         stream = stream + self.dropout(self.attn.c_proj(heads.transpose(1, 2).contiguous().view(B, T, C)))

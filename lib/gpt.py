@@ -57,7 +57,8 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
-        # SDPA picks a fused kernel (flash / memory-efficient) that never stores the T x T matrix.
+        # SDPA picks a fused kernel (flash / memory-efficient) that never stores the T x T matrix; on a CPU only
+        # at dropout 0 (with dropout it falls back to the plain kernel, which stores it).
         y = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0
         )

@@ -88,7 +88,8 @@ def activation_bytes(cfg: GPTConfig, batch_size: int, block_size: int, amp: bool
                      checkpointing: bool = False) -> int:
     """Bytes autograd keeps from forward for backward, summed over the blocks (logits excluded).
 
-    Per block and token, with fused (flash) attention so no T x T matrix is stored:
+    Per block and token, with fused (flash) attention so no T x T matrix is stored (on a CPU, SDPA falls back
+    to the plain kernel, which stores it, when --dropout is above 0: not counted here):
     the two LayerNorm inputs live on the fp32 residual stream (2 x n_embd x 4 bytes); the rest
     are matmul inputs and outputs: LN outputs (2), q/k/v (3), attention output and c_proj's
     copy of it (2), and the MLP's 4x-wide GELU input and output (8), 15 x n_embd values in the
