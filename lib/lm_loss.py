@@ -52,7 +52,8 @@ from lib import exercise
 # rows make the three matmuls slow: each chunk reads the whole [vocab, hidden] weight twice and adds
 # into the whole d_W once, so small chunks cost passes: for 1,024 tokens of Qwen2's 151,936 words, 54 rows
 # (what 32 MiB alone would give) make 19 chunks where 256 rows make 4. 128 MiB is 2 chunks of 512 rows for
-# the default GPT-2 batch of 1,024 tokens, and 256 rows (148 MiB) at Qwen2's vocabulary: a quarter of 1,024 rows' logits.
+# the default GPT-2 batch of 1,024 tokens, and 256 rows (148 MiB) at Qwen2's vocabulary: a quarter of
+# 1,024 rows' logits.
 CHUNK_BYTES = 128 * 2**20
 MIN_CHUNK_ROWS = 256
 
