@@ -76,10 +76,6 @@ def main(argv=None):
         return run(args, run_dir)
     except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
         report_and_exit(e)
-    except KeyboardInterrupt:  # outside the training loop, which saves on its own Ctrl-C
-        print("\ninterrupted outside the training loop: nothing more was saved (what --output-dir holds is kept)",
-              file=sys.stderr)
-        sys.exit(130)
 
 
 # --- device: fall back, or insist -----------------------------------------------------------------
