@@ -327,8 +327,9 @@ def render_before_after(path):
                and "--grad-checkpoint" not in r["flags"]]
         cells = (f"{_gib(now[0]['estimate'])} | {_gib(now[0]['measured'])} | {now[0]['measured_over_estimate']:.2f}"
                  if now else "- | - | -")
-        lines.append(f"| {b['script']}: {b['case']} | {_gib(b['estimate'])} | {_gib(b['measured'])} | "
-                     f"{b['measured'] / b['estimate']:.2f} | {cells} |")
+        before = (f"{_gib(b['estimate'])} | {_gib(b['measured'])} | {b['measured'] / b['estimate']:.2f}"
+                  if b.get("measured") else "- | - | -")  # a "before" kept only where its machine is named
+        lines.append(f"| {b['script']}: {b['case']} | {before} | {cells} |")
     lines += ["", "Before: " + report.get("before_note", "") + " Now: " + caption(report["machine"])]
     return "\n".join(lines)
 
