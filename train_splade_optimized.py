@@ -10,9 +10,9 @@ imported, not copied. What this file adds, in reading order:
 - --device with --force-device: an unavailable device falls back to the best available one with a
   warning, unless forced, when it is an error.
 - --gradient-accumulation-steps N with GradCache (Gao et al., 2021): in-batch negatives stay exact
-  across the whole effective batch of N x --batch-size queries. Naive accumulation (the original
-  trainer's, and train_splade_unified.py --grad-accum) gives each query only its micro-batch's
-  documents as negatives; GradCache computes the same loss and gradient as one big batch while
+  across the whole effective batch of N x --batch-size queries. Naive accumulation
+  (train_splade_unified.py --grad-accum, accumulating as the original trainer did) gives each query
+  only its micro-batch's documents as negatives; GradCache computes the same loss and gradient as one big batch while
   holding only one micro-batch's activations (docs/memory_optimization.md has the numbers).
 - --memory-tracking: resident memory and CUDA/MPS allocated memory every N steps, and the peak.
 - --memory-efficient: per-layer gradient checkpointing, garbage collection every step, and on CUDA
@@ -166,7 +166,7 @@ gradcache_step = exercise.swap("gradcache", gradcache_step)  # BYHAND_EXERCISE=g
 
 # --- memory-efficient mode: AdamW moments in CPU memory -------------------------------------------
 class OffloadedAdamW:
-    """AdamW whose moments and fp32 master weights live in CPU memory (the original's "offloading").
+    """AdamW whose moments and fp32 master weights live in CPU memory (what the original's "offloading" flag named).
 
     The device keeps only the weights and their gradients: each step copies the gradients to the CPU,
     updates there, and copies the new weights back. 8 bytes per parameter leave the GPU, at the cost

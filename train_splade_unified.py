@@ -107,7 +107,7 @@ def build_parser(description=None, out_dir=OUT_DIR):
     g.add_argument("--batch-size", type=guards.positive_int, default=16, help="queries per micro-batch")
     g.add_argument("--grad-accum", type=guards.positive_int, default=1,
                    help="micro-batches per update, accumulated naively (each micro-batch sees only its own in-batch "
-                   "negatives, as the original trainer did; train_splade_optimized.py accumulates exactly)")
+                   "negatives; train_splade_optimized.py accumulates exactly)")
     g.add_argument("--epochs", type=guards.positive_int, default=2, help="passes over the training set")
     g.add_argument("--steps", type=guards.nonneg_int, help="a step budget instead of --epochs")
     g.add_argument("--warmup-steps", type=guards.nonneg_int, default=30, help="linear learning-rate warmup")
@@ -540,9 +540,9 @@ def encode_batch(model, ids, mask, amp=None):
 
 
 def naive_step(model, micro_batches, lam_q, lam_d, amp, scaler):
-    """Forward, loss and backward for each micro-batch in turn (the original trainer's accumulation).
+    """Forward, loss and backward for each micro-batch in turn (accumulation as the original trainer did it).
 
-    Each micro-batch's ranking loss only sees that micro-batch's documents, so with --grad-accum N
+    Each micro-batch's in-batch ranking loss only sees that micro-batch's documents, so with --grad-accum N
     a query meets N times fewer negatives than in one batch of the same size (see
     train_splade_optimized.py for the exact version). Returns the summed stats, as floats.
     """

@@ -27,8 +27,9 @@ When are the gradients made? Two ways, both here, both in one torch.autograd.Fun
   runs several forwards before one backward). The loss then costs more CPU time (docs/big_vocab_loss.md
   measures how much), and in this repo's tiny default the head is most of a step: so it is not the default.
 Checkpointing (torch.utils.checkpoint around a per-chunk F.cross_entropy) would also recompute,
-but it rebuilds each chunk's autograd graph, keeps the chunk's logits, fp32 copy, log-softmax and
-gradient alive together, and hands autograd one [vocab, hidden] weight gradient per chunk to add.
+but it rebuilds each chunk's autograd graph, holds three chunk-sized fp32 tensors at once in its
+backward (the log-softmax, its gradient and the logits' gradient), and hands autograd one
+[vocab, hidden] weight gradient per chunk to add.
 Written by hand, one [chunk, vocab] buffer becomes the softmax and then the gradient in place, and
 what is not needed is never computed: no d_W when the head is frozen (LoRA, the judge), no
 d_hidden when the hidden states need none, no gradient at all under torch.no_grad (evaluation).
