@@ -411,9 +411,10 @@ def save_sharded(run_dir, model, optimizer, step, cfg, args, first_val, updates)
     del model_sd[TIED]  # the same tensor as transformer.wte.weight; store it once
     checkpoint.fault_point(f"write {name} shards")
     dcp.save({"model": model_sd, "optimizer": optim_sd}, checkpoint_id=staging)
-    # Each rank's generator draws its own dropout masks; the data order needs no state (it is the step).
+    # Each rank's generators (CPU, and CUDA's) draw its own dropout masks; the data order needs no state (it is
+    # the step).
     checkpoint.fault_point(f"write rng-rank{dist.get_rank()}.pt")
-    torch.save(torch.get_rng_state(), os.path.join(staging, f"rng-rank{dist.get_rank()}.pt"))
+    torch.save(devices.rng_states(), os.path.join(staging, f"rng-rank{dist.get_rank()}.pt"))
     dist.barrier()  # every rank's files are written
     if dist.get_rank() == 0:
         if os.path.isdir(path):
@@ -445,7 +446,8 @@ def load_sharded(args, model, optimizer, latest, log):
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
     rng = os.path.join(path, f"rng-rank{dist.get_rank()}.pt")
     if os.path.isfile(rng):
-        torch.set_rng_state(torch.load(rng, weights_only=True))
+        saved = torch.load(rng, weights_only=True)  # a lone tensor: the CPU state, as saves before CUDA's held
+        devices.restore_rng_states(saved if isinstance(saved, dict) else {"rng_cpu": saved, "rng_cuda": []})
     log(f"resuming from step {latest['step']} in {args.out_dir} (saved by {latest['world_size']} ranks)" +
         ("" if args.steps > latest["step"] else f"; it already ran its --steps {args.steps}, pass a larger --steps"))
     return latest["step"], latest.get("first_val_loss")

@@ -67,7 +67,7 @@ def default_chunk_size(vocab_size: int, hidden_size: int, chunk_bytes: int = CHU
 
 def chunk_rows(n: int, chunk_size: int) -> int:
     """Rows per chunk for n rows and chunks of at most chunk_size, the same in every chunk: 1,024 tokens
-    with at most 664 rows are two chunks of 512, not 664 and a slower 360."""
+    with at most 664 rows are two chunks of 512, not 664 and 360: the buffer is sized for 512 rows."""
     return -(-n // -(-n // chunk_size))
 
 

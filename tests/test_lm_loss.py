@@ -143,7 +143,7 @@ def test_cpu_bf16_autocast_matches_the_full_loss_under_the_same_autocast_and_fp3
     # Same bf16 logits, same fp32 log-sum-exp: the losses agree to fp32 rounding.
     assert got.item() == pytest.approx(ref.item(), rel=1e-5)
     assert got.item() == pytest.approx(fp32.item(), rel=2e-3)  # bf16 logits against fp32 ones
-    # Gradients through bf16 matmuls (bf16's epsilon is 2^-8 = 0.4%): within a few epsilons of the
+    # Gradients through bf16 matmuls (bf16 rounds to within 2^-8 = 0.4%): within a few epsilons of the
     # largest entry, against the full loss under the same autocast and against fp32.
     assert (gh - rh).abs().max() <= 1e-2 * rh.abs().max() and (gw - rw).abs().max() <= 1e-2 * rw.abs().max()
     assert (gh - fh).abs().max() <= 2e-2 * fh.abs().max() and (gw - fw).abs().max() <= 2e-2 * fw.abs().max()
