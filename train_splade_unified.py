@@ -471,8 +471,8 @@ def splade_max(logits, attention_mask):
     """SPLADE-max: w_j = max over unmasked positions i of log(1 + ReLU(logit_ij)); [B, T, V] -> [B, V].
 
     log(1 + ReLU(x)) never decreases as x grows, so the max can be taken over the raw logits first
-    and the activation applied to the [B, V] result: the same weights and gradients, without two
-    more [B, T, V] tensors kept for backward (the logits are by far the largest activation). Under
+    and the activation applied to the [B, V] result: the same weights and gradients, with one [B, T, V]
+    tensor kept for backward instead of two (the logits are by far the largest activation). Under
     torch.no_grad (encoding for search) no backward needs the raw logits: they are masked in place,
     one [B, T, V] tensor less.
     """
