@@ -175,7 +175,7 @@ def row_finetune(ctx):
                                       dict(n_layer=2, n_head=2, n_embd=64, block_size=64) if ctx.tiny else "gpt2")
     flags = ["--init-from", base, "--dtype", ctx.dtype, "--batch-size", "2" if ctx.tiny else "8", "--steps",
              "3" if ctx.tiny else "12", "--warmup-steps", "2", "--eval-batches", "1", "--eval-interval", "100000",
-             "--log-interval", "1", "--sample-tokens", "0"]
+             "--log-interval", "1", "--sample-tokens", "0"] + (["--data", "README.md"] if ctx.tiny else [])
     runs = (("lora", "finetune_lora.py", []), ("qlora", "finetune_qlora.py", []),
             ("qlora_grad_checkpoint", "finetune_qlora.py", ["--grad-checkpoint"]))
     records = run_scripts(ctx, [(script, flags + extra, name, 150 if ctx.tiny else 90) for name, script, extra in runs])
@@ -306,7 +306,7 @@ def row_memory(ctx):
     paths = memory_estimate.write_models(ctx.models, ["tiny"] if ctx.tiny else ["real"])
     cases_out, failed = [], []
     for script, size, flags in cases:
-        flags = flags.format(**paths) + (f" {GPT_TINY} --dtype {ctx.dtype}" if ctx.tiny else "")
+        flags = flags.format(**paths) + (f" {GPT_TINY} --data README.md --dtype {ctx.dtype}" if ctx.tiny else "")
         row = {"script": script, "size": size, "flags": flags.replace(ctx.models, "MODELS")}
         timeout = min(150 if ctx.tiny else 120, ctx.deadline - time.monotonic())
         try:

@@ -17,22 +17,37 @@ def torchrun(script, args, env_cache):
     return res
 
 
-def test_two_ranks_match_one_process_with_the_same_global_batch(tmp_path, text_dir, isolated_cache):
+def test_two_ranks_match_one_process_and_resume_on_one_as_the_unbroken_run(tmp_path, text_dir, isolated_cache, capsys):
     # One process accumulating 4 micro-batches of 2 == 2 ranks accumulating 2 micro-batches of 2 each: the ranks
     # skip the gradient all-reduce (no_sync) on the first micro-batch and sync on the last. One launch covers both
-    # paths: the last micro-batch is the whole step of a run without accumulation (once two tests, two launches;
-    # tests/test_elastic.py still compares 2 ranks without accumulation to one process, step by step).
-    common = [*TINY, "--data", text_dir, "--steps", "6", "--eval-interval", "3", "--batch-size", "2"]
-    train.main([*common, "--grad-accum", "4", "--out-dir", str(tmp_path / "single")])
-    res = torchrun("train.py", [*common, "--grad-accum", "2", "--out-dir", str(tmp_path / "ddp")], isolated_cache)
+    # paths: the last micro-batch is the whole step of a run without accumulation. The launch stops after 3 of
+    # the 6 steps and one plain process resumes it (elastic: the same global batch, --grad-accum 4 recomputed);
+    # a constant learning rate makes that the unbroken run. (Once three launches: this test without the resume,
+    # one without accumulation, and tests/test_elastic.py's train.py run saved by 2 ranks, resumed on 1.)
+    common = [*TINY, "--data", text_dir, "--eval-interval", "3", "--batch-size", "2", "--warmup-steps", "0",
+              "--min-lr-ratio", "1"]
+    train.main([*common, "--grad-accum", "4", "--steps", "6", "--out-dir", str(tmp_path / "single")])
+    out = str(tmp_path / "ddp")
+    res = torchrun("train.py", [*common, "--grad-accum", "2", "--steps", "3", "--out-dir", out], isolated_cache)
     assert "x 2 ranks" in res.stdout
-    single, ddp = step_losses(tmp_path / "single"), step_losses(tmp_path / "ddp")
+    # Only rank 0 writes.
+    assert sorted(os.listdir(out)) == ["checkpoints", "config.json", "metrics.jsonl", "model.safetensors",
+                                       "training_state.pt"]
+    capsys.readouterr()
+    train.main(["--resume", "--steps", "6", "--out-dir", out])
+    said = capsys.readouterr().out
+    assert "saved by 2 process(es) with --grad-accum 2, continued by 1 with --grad-accum 4" in said
+    assert "8,192 tokens per step" not in said and "256 tokens per step" in said  # 2 x 32 x 4 x 1
+    single, ddp = step_losses(tmp_path / "single"), step_losses(out)
     assert sorted(ddp) == list(range(6))
     for step in range(6):
         assert ddp[step] == pytest.approx(single[step], abs=1e-5), step
-    assert len(val_losses(tmp_path / "ddp")) == len(val_losses(tmp_path / "single")) == 3  # steps 0 and 3, the end
-    for (s1, v1), (s2, v2) in zip(val_losses(tmp_path / "single"), val_losses(tmp_path / "ddp")):
-        assert s1 == s2 and v1 == pytest.approx(v2, abs=1e-5)
-    # Only rank 0 writes.
-    assert sorted(os.listdir(tmp_path / "ddp")) == ["checkpoints", "config.json", "metrics.jsonl",
-                                                    "model.safetensors", "training_state.pt"]
+    single_val, ddp_val = dict(val_losses(tmp_path / "single")), dict(val_losses(out))
+    assert sorted(single_val) == sorted(ddp_val) and len(single_val) >= 3, (single_val, ddp_val)  # 0, 3, the end
+    for step, v in single_val.items():
+        assert ddp_val[step] == pytest.approx(v, abs=1e-5), step
+    # Halving the global batch is refused in one line, before anything is written.
+    with pytest.raises(SystemExit) as e:
+        train.main(["--resume", "--steps", "7", "--grad-accum", "1", "--out-dir", out])
+    assert e.value.code == 2
+    assert "drop --grad-accum" in capsys.readouterr().err

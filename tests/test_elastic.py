@@ -2,7 +2,6 @@
 
 import pytest
 
-import train
 import train_fsdp
 from lib import data
 from lib.errors import UserError
@@ -26,29 +25,7 @@ def test_keep_global_batch_recomputes_checks_and_refuses():
         data.keep_global_batch(4, 1, 2, 1, given_accum=1)  # would halve the global batch
 
 
-@pytest.mark.multiprocess
-def test_train_saved_by_two_ranks_resumes_on_one_as_the_unbroken_run(tmp_path, text_dir, isolated_cache, capsys):
-    common = [*TINY, *FLAT, "--data", text_dir]
-    # The run that stays on one process: 2 micro-batches of 4 per step, 6 steps unbroken.
-    train.main([*common, "--grad-accum", "2", "--steps", "6", "--out-dir", str(tmp_path / "one")])
-    # The same global batch on 2 ranks for 3 steps, then resumed by a plain process without --grad-accum.
-    out = str(tmp_path / "two")
-    proc = conftest.torchrun(["train.py", *common, "--steps", "3", "--out-dir", out],
-                             env={"BYHAND_CACHE": isolated_cache})
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    capsys.readouterr()
-    train.main(["--resume", "--steps", "6", "--out-dir", out])
-    said = capsys.readouterr().out
-    assert "saved by 2 process(es) with --grad-accum 1, continued by 1 with --grad-accum 2" in said
-    assert "8,192 tokens per step" not in said and "256 tokens per step" in said  # 4 x 32 x 2 x 1
-    one, two = step_losses(tmp_path / "one"), step_losses(out)
-    assert sorted(two) == list(range(6))
-    assert [two[s] for s in range(6)] == pytest.approx([one[s] for s in range(6)], abs=1e-5)
-    # Halving the global batch is refused in one line, before anything is written.
-    with pytest.raises(SystemExit) as e:
-        train.main(["--resume", "--steps", "7", "--grad-accum", "1", "--out-dir", out])
-    assert e.value.code == 2
-    assert "drop --grad-accum" in capsys.readouterr().err
+# train.py saved by 2 ranks and resumed on 1 is tests/test_ddp.py's launch, resumed: one torchrun for both.
 
 
 @pytest.mark.multiprocess

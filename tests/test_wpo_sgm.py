@@ -286,19 +286,32 @@ def test_original_cifar_arithmetic():
     assert sum(chunked.values()) < sum(est.values()) / 20
 
 
-def test_memory_estimate_within_25_percent_of_measured_peak_rss():
-    # One subprocess measures three sizes in turn. MALLOC_MMAP_THRESHOLD_ makes glibc map every block
-    # over 128 KiB on its own and return it when freed, so each size's peak RSS follows its tensors
-    # (bench/wpo_sgm.py explains; the first step's runtime overhead is then counted once).
+@pytest.fixture(scope="module")
+def measured():
+    """One child measures three training sizes in turn, then sample() (bench/wpo_sgm.py's --one, then its
+    --sampling, in one process: one torch start-up). MALLOC_MMAP_THRESHOLD_ makes glibc map every block over
+    128 KiB on its own and return it when freed, so each size's peak RSS follows its tensors (bench/wpo_sgm.py
+    explains; the first step's runtime overhead is then counted once); sample()'s peak is counted above what
+    the process holds before it."""
     cfgs = [{"strategy": "chunked", "dim": 96, "centres": 768, "chunk": 96, "batch": 8, "steps": 1},
             {"strategy": "gradient_accumulation", "dim": 24, "centres": 1024, "batch": 256, "accumulation_steps": 2,
              "steps": 1},
             {"strategy": "single_gpu", "dim": 96, "centres": 384, "batch": 8, "steps": 1}]
+    # One centre's D x D factors (D = 1024: 4 MiB each) and 4,000 draws with their noise (32 MiB).
+    sampling = {"dim": 1024, "centres": 3, "num_samples": 4000}
+    child = (f"import json; from bench import wpo_sgm as b; cfgs = {cfgs!r}\n"
+             f"for i, c in enumerate(cfgs): print(json.dumps(b.measure(c, first=i == 0)), flush=True)\n"
+             f"print(json.dumps(b.measure_sampling({sampling!r})))")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run([sys.executable, "bench/wpo_sgm.py", "--one", json.dumps(cfgs)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", child], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+    return cfgs, rows[:-1], rows[-1]
+
+
+def test_memory_estimate_within_25_percent_of_measured_peak_rss(measured):
+    cfgs, rows, _ = measured
     assert [r["strategy"] for r in rows] == [c["strategy"] for c in cfgs]
     for r in rows:
         assert abs(r["estimate_bytes"] - r["peak_bytes"]) <= 0.25 * r["peak_bytes"], r
@@ -307,14 +320,8 @@ def test_memory_estimate_within_25_percent_of_measured_peak_rss():
         assert abs(r["estimate_above_baseline"] - r["peak_above_baseline"]) <= 0.25 * r["peak_above_baseline"], r
 
 
-def test_sampling_memory_estimate_within_25_percent_of_measured_peak_rss():
-    # One centre's D x D factors (D = 1024: 4 MiB each) and 4,000 draws with their noise (32 MiB).
-    cfg = {"dim": 1024, "centres": 3, "num_samples": 4000}
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MALLOC_MMAP_THRESHOLD_": "131072"}
-    proc = subprocess.run([sys.executable, "bench/wpo_sgm.py", "--sampling", json.dumps(cfg)], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    r = json.loads(proc.stdout.splitlines()[-1])
+def test_sampling_memory_estimate_within_25_percent_of_measured_peak_rss(measured):
+    r = measured[2]
     assert r["peak_above_before"] > 40 * 2**20, r
     assert abs(r["estimate"] - r["peak_above_before"]) <= 0.25 * r["peak_above_before"], r
 
