@@ -274,13 +274,13 @@ def logits_table():
         cfg, model = _gpt(size)
         n = sum(p.numel() for p in model.parameters())
         rows.append((name, cfg.vocab_size, cfg.n_embd, batch, block, n, True))
-    for name, kw in (("SmolLM2-135M (fine-tuned, head frozen)", SMOLLM2_135M),
-                     ("Qwen2-1.5B (fine-tuned, head frozen)", llama.KNOWN_CONFIGS["Qwen/Qwen2-1.5B-Instruct"])):
+    for name, kw in (("SmolLM2-135M (fine-tuned, head frozen, batch 2)", SMOLLM2_135M),
+                     ("Qwen2-1.5B (fine-tuned, head frozen, batch 2)", llama.KNOWN_CONFIGS["Qwen/Qwen2-1.5B-Instruct"])):
         with torch.device("meta"):
             model = llama.Llama(llama.LlamaConfig(**kw))
         n = sum(p.numel() for p in model.parameters())
         rows.append((name, kw["vocab_size"], kw["hidden_size"], 2, 512, n, False))
-    lines = ["| model | vocab | hidden | tokens per step | head weight, share of parameters | weights (fp32) "
+    lines = ["| model | vocab | hidden | tokens per forward | head weight, share of parameters | weights (fp32) "
              "| fp32 logits | plain loss (16 B a value) | chunked loss |",
              "|---|---:|---:|---|---:|---:|---:|---:|---:|"]
     for name, vocab, hidden, batch, block, n, train_head in rows:
