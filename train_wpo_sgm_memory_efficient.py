@@ -447,7 +447,8 @@ def runtime_baseline(device):
 
 
 def largest_chunk(shape, plan, budget, baseline):
-    """The largest chunk size whose estimate fits the budget (the estimate is linear in it), or 0."""
+    """The largest chunk size whose estimate fits the budget, or 0 (by bisection: the estimate grows with the chunk's
+    [B, c, D] tensors, bar the per-chunk combine factors, which shrink)."""
     def total(c):
         chunked = Plan(plan.strategy, c, plan.accumulation_steps, plan.world_size)
         return sum(estimate_memory(shape, chunked, baseline).values())
@@ -455,7 +456,7 @@ def largest_chunk(shape, plan, budget, baseline):
     if total(1) > budget:
         return 0
     lo, hi = 1, local
-    while lo < hi:  # binary search: the estimate grows with the chunk
+    while lo < hi:  # binary search
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid - 1)
     return lo
