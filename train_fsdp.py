@@ -231,7 +231,7 @@ def build_sharded_model(cfg, mesh, args, mp_dtype, offload):
 
     Each fully_shard call makes one unit whose weights are all-gathered together. The root unit takes
     what no block owns: wte, wpe, ln_f and lm_head; lm_head.weight IS wte.weight (tied), and a tied
-    weight must live in one unit, or it would be gathered twice and its two gradients never summed.
+    weight lives in one unit, which is gathered at both ends of the forward (the embedding and the head).
     """
     with torch.device("meta"):
         model = gpt.GPT(cfg)
