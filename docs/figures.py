@@ -296,28 +296,31 @@ def logits_table():
 
 def dynamic_map():
     """lib/adam8bit's two 256-entry tables, decade by decade: how many entries, and the worst rounding error."""
+    import torch
     from lib import adam8bit
     tables = {s: adam8bit.create_dynamic_map(s).double() for s in (True, False)}
     lines = ["| values in | entries, signed table (per sign) | entries, unsigned table | worst rounding error, signed "
              "| worst rounding error, unsigned |", "|---|---:|---:|---:|---:|"]
 
-    def worst(table, lo, hi):
-        """Largest relative error of rounding a value between the decade's first entry and the next decade's."""
-        pos = table[table > 0]
-        first = int((pos >= lo).nonzero()[0])
-        last = int((pos >= hi).nonzero()[0]) if bool((pos >= hi).any()) else len(pos) - 1
-        a, b = pos[first:last], pos[first + 1:last + 1]
-        return float(((b - a) / (a + b)).max())  # at the midpoint: half the gap over the midpoint
+    def worst(table, lo, hi, signed):
+        """Largest relative error of rounding a value of magnitude in [lo, hi) to its nearest entry (0 included)."""
+        b = table[table > 0]
+        a = torch.cat([b.new_zeros(1), b[:-1]])
+        x = ((a + b) / 2).clamp(lo, hi)  # the worst point of each gap [a, b] that lies in [lo, hi)
+        err = torch.minimum(x - a, b - x) / x
+        if signed:  # a negative value never rounds to 0: all below the smallest entry take it, worst at lo
+            err[0] = max(err[0], (b[0] - lo) / lo)
+        return float(err[(b > lo) & (a < hi)].max())
 
     for i in range(7):
         lo, hi = 10.0 ** (i - 7), 10.0 ** (i - 6)
         counts = [int(((t >= lo) & (t < hi)).sum()) for t in (tables[True], tables[False])]
-        errs = [worst(tables[s], lo, hi) for s in (True, False)]
+        errs = [worst(tables[s], lo, hi, s) for s in (True, False)]
         lines.append(f"| [1e{i - 7}, 1e{i - 6}) | {counts[0]} | {counts[1]} | {errs[0]:.1%} | {errs[1]:.1%} |")
     n_neg = int((tables[True] < 0).sum())
     lines += ["", f"Each table also holds 0 and 1; the signed one's {n_neg} negative entries mirror its positive "
-              "ones. The error is that of a value halfway between two neighbouring entries (the worst case), "
-              "relative to the value; computed from `lib/adam8bit.create_dynamic_map`."]
+              "ones. The error is the largest, relative to the value, of any value in the row's range rounded to the "
+              "nearest entry (a negative one never to 0); computed from `lib/adam8bit.create_dynamic_map`."]
     return "\n".join(lines)
 
 
