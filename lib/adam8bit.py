@@ -92,8 +92,9 @@ def _rounding_tables(table: torch.Tensor, signed: bool):
     mids = (table[1:] + table[:-1]) / 2
     if signed:
         # The boundary between the smallest negative entry and 0 moves to just below zero, so a
-        # negative momentum never rounds to 0 and loses its sign (bitsandbytes' kernel does the
-        # same with a sign check after rounding); an exact 0 still rounds to 0.
+        # negative momentum down to float32's smallest normal number never rounds to 0 and loses its
+        # sign (bitsandbytes' kernel does the same with a sign-bit check after rounding, which moves
+        # even subnormal ones); an exact 0 still rounds to 0.
         zero = int((table == 0).nonzero()[0])
         mids[zero - 1] = -torch.finfo(torch.float32).tiny
     shift = 23 - LUT_BITS
