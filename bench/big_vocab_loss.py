@@ -16,8 +16,8 @@ on CPU the peak RSS during the first forward + backward minus the RSS just befor
 exist already); on CUDA the max allocated bytes over those allocated before. With a trained head the
 chunked loss's peak includes the [vocab, hidden] weight gradient (made in forward), which any loss
 needs; "own_peak_vs_full" takes it out of the chunked peak and compares with the full loss's whole
-peak (whose weight gradient is made after that peak, once its log-softmax and their gradient are freed). Time: the best of --repeats
-forward + backward after that first one, wall ("fwd_bwd_s") and
+peak (whose weight gradient is made after that peak, once its log-softmax and their gradient are
+freed). Time: the best of --repeats forward + backward after that first one, wall ("fwd_bwd_s") and
 CPU ("cpu_s", user + system of the process, less disturbed by other work on a busy machine). The
 target: at vocabulary 151,936 the chunked peak at most 1/4 of the full one. On a busy machine
 the times are "loaded"; the peaks still hold.

@@ -275,7 +275,8 @@ def logits_table():
         n = sum(p.numel() for p in model.parameters())
         rows.append((name, cfg.vocab_size, cfg.n_embd, batch, block, n, True))
     for name, kw in (("SmolLM2-135M (fine-tuned, head frozen, batch 2)", SMOLLM2_135M),
-                     ("Qwen2-1.5B (fine-tuned, head frozen, batch 2)", llama.KNOWN_CONFIGS["Qwen/Qwen2-1.5B-Instruct"])):
+                     ("Qwen2-1.5B (fine-tuned, head frozen, batch 2)",
+                      llama.KNOWN_CONFIGS["Qwen/Qwen2-1.5B-Instruct"])):
         with torch.device("meta"):
             model = llama.Llama(llama.LlamaConfig(**kw))
         n = sum(p.numel() for p in model.parameters())
