@@ -109,7 +109,7 @@ class Spec:
         return self.out_flag.lstrip("-").replace("-", "_")
 
     def is_product(self, name: str) -> bool:
-        return any(name == p or name.startswith(p + "/") for p in self.products)
+        return any(name == p or name.startswith((p + "/", p + os.sep)) for p in self.products)
 
     @property
     def committed_files(self) -> tuple:
@@ -482,7 +482,7 @@ def begin(run: Run, args, is_main: bool = True) -> metrics.MetricsLog:
     if is_main:
         os.makedirs(run.out_dir, exist_ok=True)
         if not run.resumed:
-            for name in (CHECKPOINTS, *spec.saved, *spec.checkpoint, *spec.products, *spec.written):
+            for name in (CHECKPOINTS, *spec.saved, *spec.checkpoint, *spec.written):
                 path = os.path.join(run.out_dir, name)
                 if os.path.isdir(path) and not os.path.islink(path):
                     shutil.rmtree(path)
