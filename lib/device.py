@@ -192,8 +192,8 @@ def steady_cpu_heap(threshold: int = MMAP_THRESHOLD):
     set creeps up, step after step, to well above what a step needs, and the measured CPU peak stops
     saying anything about the estimate. With the threshold fixed, the peak stays at what a step needs,
     for a few percent more system time (the kernel zeroes the fresh pages: docs/big_vocab_loss.md).
-    Used by the SPLADE and WPO-SGM scripts, for command-line runs only: a program that imports a
-    script (a test, a notebook) keeps its own allocator settings.
+    Called by every script but onefile_train.py, for command-line runs only: a program that imports
+    a script (a test, a notebook) keeps its own allocator settings.
     """
     if sys.platform.startswith("linux"):
         try:
