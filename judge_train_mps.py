@@ -6,8 +6,8 @@
     python judge_train_mps.py --model Qwen/Qwen2-1.5B-Instruct --estimate-memory
 
 Given a source sentence, a translation and a reference, the judge answers `Feedback: ...` and then
-`Score: X/10`: reasoning first, verdict last, as Prometheus and JudgeLM do (written the other way
-round, a small judge learns the feedback's wording and not the score; see judge_answer). A judge is a
+`Score: X/10`: reasoning first, verdict last, as Prometheus does (written the other way round, as
+JudgeLM does, a small judge learns the feedback's wording and not the score; see judge_answer). A judge is a
 chat model fine-tuned on conversations whose last turn is that answer;
 the loss falls on the answer's tokens only (the prompt is context, not something to imitate), and
 the judge is graded by decoding greedily and comparing its scores with the references' (MAE, RMSE,
