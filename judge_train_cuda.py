@@ -70,9 +70,6 @@ def main(argv=None):
         return mps.run(args, parser, argv, spec=RUN, defaults=DEFAULTS, recipe_for=recipe_for)
     except (UserError, KeyboardInterrupt) as e:  # Ctrl-C or SIGTERM outside the loop: one line, 130 or 143
         report_and_exit(e)
-    except KeyboardInterrupt:  # before the training loop, which saves and exits 130 itself
-        print("\ninterrupted before training started; nothing was saved", file=sys.stderr)
-        sys.exit(130)
 
 
 # --- the four differences ----------------------------------------------------------------------------
