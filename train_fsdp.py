@@ -471,8 +471,10 @@ def print_estimate(cfg, n_params, block_size, estimate, args, mesh, mp_dtype, de
     sharded = build_sharded_model(cfg, mesh, args, mp_dtype, offload=False)
     counts = [None] * world
     dist.all_gather_object(counts, sum(local(p).numel() for p in sharded.parameters()))
+    # The DDP column is train.py on the same ranks: with more than one, DDP's gradient buckets too.
     unsharded = memory.estimate_gpt_training(cfg, n_params, args.batch_size, block_size, device.type,
-                                             mp_dtype is not None, checkpointing=args.activation_checkpointing)
+                                             mp_dtype is not None, ddp=world > 1,
+                                             checkpointing=args.activation_checkpointing)
     log("parameters per rank: " + ", ".join(f"rank {r} {c:,}" for r, c in enumerate(counts))
         + f" (of {n_params:,}; {n_params / world:,.0f} = 1/{world} each)")
     log(memory.format_columns({f"FSDP2, 1 of {world}": estimate, "DDP / unsharded": unsharded},

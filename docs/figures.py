@@ -604,7 +604,7 @@ def fsdp_estimate(size="gpt2-xl", world="2", batch="8", bf16="no", checkpointing
     world, batch, bf16, ckpt = int(world), int(batch), bf16 == "bf16", checkpointing == "checkpointing"
     n = sum(p.numel() for p in model.parameters())
     fsdp = memory.estimate_fsdp_training(cfg, n, batch, cfg.block_size, world, "cpu", bf16, checkpointing=ckpt)
-    ddp = memory.estimate_gpt_training(cfg, n, batch, cfg.block_size, "cpu", bf16, checkpointing=ckpt)
+    ddp = memory.estimate_gpt_training(cfg, n, batch, cfg.block_size, "cpu", bf16, ddp=world > 1, checkpointing=ckpt)
     counts = _fsdp_counts(model, world)
     flags = f" --mixed-precision bf16 --batch-size {batch}" if bf16 else ""
     flags += " --activation-checkpointing" if ckpt else ""

@@ -158,6 +158,7 @@ def test_estimate_for_gpt2_xl_on_two_ranks_is_half_the_parameters_each():
     counts = [int(c.replace(",", "")) for c in re.findall(r"rank \d ([\d,]+)", proc.stdout)]
     assert len(counts) == 2 and sum(counts) == 1_557_611_200
     assert all(abs(c - 1_557_611_200 / 2) < 10_000 for c in counts)  # dim-0 padding moves a few rows
+    assert "DDP gradient buckets" in proc.stdout  # the DDP column on 2 ranks is train.py's DDP estimate
     # 778,805,600 fp32 parameters per rank = 2.90 GiB, beside 5.80 GiB for the unsharded (DDP) rank.
     assert re.search(r"parameters \(fp32\)\s+2\.90 GiB\s+5\.80 GiB", proc.stdout), proc.stdout
 
