@@ -343,7 +343,9 @@ def missing_fragments(quote):
 
 
 def test_pages_quote_messages():
-    assert sum(len(quotes(read(page))) for page in PAGES) >= 5
+    # The pages quote few messages (the programs print them; a page teaches the idea), but the check must reach
+    # some: a detector that found none would pass every page.
+    assert sum(len(quotes(read(page))) for page in PAGES) >= 2
 
 
 @pytest.mark.parametrize("page", PAGES)
