@@ -30,7 +30,7 @@ from lib import exercise
 # The 16 NF4 codes from the QLoRA paper / bitsandbytes. They are quantiles of
 # N(0, 1), rescaled to [-1, 1]: with normal weights every code is used about
 # equally often, so no code is wasted on values that hardly occur (uniform int4
-# spends most of its 16 levels on the rare tails). 8 positive and 7 negative
+# spends half of its 16 levels on the sparse tails). 8 positive and 7 negative
 # codes plus an exact 0.0 (zero weights and padding stay exactly zero).
 NF4_CODEBOOK = (
     -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
