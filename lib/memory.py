@@ -33,8 +33,8 @@ FIRST_STEP_LABEL = "runtime: first step's kernels and threads"
 
 # --- what every CPU run pays besides its tensors ----------------------------------------------------
 # One accounting for all the scripts, in three parts a learner can check with `ps` or /proc/self/status:
-# 1. the runtime: Python, torch, tokenizer and the data, measured as the resident set just before the
-#    model is built (cpu_runtime_bytes), not assumed;
+# 1. the runtime: Python, torch, tokenizer and (where read by then; train.py reads it later) the data,
+#    measured as the resident set before the model is built (cpu_runtime_bytes), not assumed;
 # 2. the first step's kernels and threads (CPU_FIRST_STEP);
 # 3. the allocator: glibc keeps the blocks a step frees (up to 32 MiB each) in its heap for reuse, and
 #    as tensors of other sizes fail to fit in them, the resident set grows step after step past what
