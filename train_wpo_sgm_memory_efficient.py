@@ -9,7 +9,7 @@ The model is a mixture of K Gaussians centred on K training samples, p(x) = (1/K
 a small MLP (factornet) maps each centre to the Cholesky-like factor L_k of its precision,
 P_k = L_k L_k^T + eps I. It is trained by implicit score matching, whose loss has a closed form for a
 mixture. Memory is the lesson: everything that depends on a centre costs D x D floats, so K centres
-cost K x D x D, 36 GB at K = 1000 on CIFAR-10. Four strategies make it fit, and each computes exactly
+cost K x D x D, 37.7 GB at K = 1000 on CIFAR-10. Four strategies make it fit, and each computes exactly
 the same loss and gradients (docs/wpo_sgm_memory.md derives why):
   single_gpu             all K centres at once (any one device, CPU included)
   chunked                --chunk_size centres at a time, combined with an online log-sum-exp, each
@@ -491,7 +491,8 @@ def choose_plan(args, shape, world_size, available, baseline):
     chunk = args.chunk_size or largest_chunk(shape, chunked, budget, baseline)
     if chunk:
         chunked.chunk_size = chunk
-        chunked.reason = (f"all {shape.centres} centres at once do not fit within {FREE_FRACTION:.0%} of the {have}; "
+        chunked.reason = (f"--chunk_size {chunk} given ({have})" if args.chunk_size else
+                          f"all {shape.centres} centres at once do not fit within {FREE_FRACTION:.0%} of the {have}; "
                           f"{chunk} centres per chunk is the largest that does")
         return chunked
     for steps in range(2, shape.batch + 1):  # even one centre at a time is too much for the whole batch

@@ -14,7 +14,7 @@ Details that follow bitsandbytes (bnb.optim.AdamW8bit, optim_bits=8, block-wise)
   and create_dynamic_map(signed=False); tests/fixtures/adam8bit_golden.json holds both tables as
   the real bitsandbytes builds them (made by tests/fixtures/make_adam8bit_golden.py);
 - a tensor with fewer than 4,096 elements (min_8bit_size) keeps fp32 moments: biases, norms and
-  small LoRA matrices cost little and are where rounding would hurt the most;
+  small LoRA matrices cost little in fp32;
 - a quantised first moment keeps its sign: a negative value that would round to the 0 entry goes
   to the smallest negative entry (0 counts as positive, as in bitsandbytes' sign-bit check, so a
   tiny positive value may still round to 0), so tiny momenta never flip the direction of an update.

@@ -274,6 +274,9 @@ def test_auto_picks_by_free_memory_and_ranks():
     assert w.choose_plan(args, shape, 4, 10 * single, 0).strategy == "model_parallel"
     per_rank = w.estimate_memory(shape, w.Plan("model_parallel", world_size=4))
     assert sum(per_rank.values()) < single  # a quarter of the centre-dependent part
+    # A --chunk_size given is used as it is: the plan does not claim that all centres at once do not fit.
+    given = w.choose_plan(w.build_parser().parse_args(["--chunk_size", "7"]), shape, 1, 10 * single, 0)
+    assert (given.strategy, given.chunk_size) == ("chunked", 7) and "do not fit" not in given.reason
 
 
 def test_original_cifar_arithmetic():
