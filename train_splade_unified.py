@@ -33,7 +33,7 @@ From Python, once a run has saved OUT (or with any Hugging Face SPLADE checkpoin
     reps.shape                                                   # [2, vocab_size], mostly zeros
     (reps[0] @ reps[1]).item()                                   # the relevance score
 
-With no checkpoint (the offline default) the vocabulary (WordPiece, 8,192 entries) is learned from
+With no checkpoint (the offline default) the vocabulary (WordPiece, up to 8,192 entries) is learned from
 the training texts and a small BERT starts from random weights: a demonstration of the mechanics,
 not a competitive retriever. Explained with this repo's numbers in docs/splade_explained.md.
 """
