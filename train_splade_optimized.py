@@ -142,16 +142,16 @@ def gradcache_step(model, micro_batches, lam_q, lam_d, amp, scaler):
             d_parts.append(unified.encode_batch(model, mb.d_ids, mb.d_mask, amp).float())
     end_state = rng_state(device)
     # Documents are laid out micro-batch by micro-batch, each one's positives first.
-    positives, offset = [], 0
-    for q, d in zip(q_parts, d_parts):
-        positives.append(torch.arange(len(q), device=device) + offset)
-        offset += len(d)
+    q_sizes, d_sizes = [len(q) for q in q_parts], [len(d) for d in d_parts]
+    positives = [torch.arange(n, device=device) + sum(d_sizes[:i]) for i, n in enumerate(q_sizes)]
     q_all = torch.cat(q_parts).requires_grad_()
     d_all = torch.cat(d_parts).requires_grad_()
+    del q_parts, d_parts  # one copy of the representations at a time
     loss, stats = unified.splade_loss(q_all, d_all, lam_q, lam_d, torch.cat(positives))
     scaler.scale(loss).backward()  # fills q_all.grad and d_all.grad, nothing in the model yet
-    q_grads = q_all.grad.split([len(q) for q in q_parts])
-    d_grads = d_all.grad.split([len(d) for d in d_parts])
+    q_grads, d_grads = q_all.grad.split(q_sizes), d_all.grad.split(d_sizes)
+    # Step 3 needs only those gradients: drop the representations (the loss's graph refers to them too).
+    loss, q_all, d_all = loss.detach(), None, None
     for mb, state, gq, gd in zip(micro_batches, states, q_grads, d_grads):
         set_rng_state(device, state)  # the same dropout masks as in step 1
         q = unified.encode_batch(model, mb.q_ids, mb.q_mask, amp).float()

@@ -174,6 +174,30 @@ def test_gradcache_replays_dropout():
     assert torch.equal(after_cached, torch.get_rng_state())  # the RNG ends where one pass would leave it
 
 
+def test_gradcache_keeps_only_the_gradients_while_it_encodes_again(monkeypatch):
+    """Step 3 (the second encoding, with a graph) holds only the representations' gradients, one fp32
+    rows x vocabulary tensor, not also the cached vectors and their concatenation (which the loss's graph
+    would keep alive): the live tensors are counted, as they are made and freed, by a dispatch mode."""
+    from tests.test_memory_estimates import LiveTensorBytes
+    vocab, gen = 4000, torch.Generator().manual_seed(1)
+    q, pos, neg = random_batch(gen, 16, 1, vocab=vocab)
+    model = tiny_model(vocab=vocab)
+    counter = LiveTensorBytes([*model.parameters(), *model.buffers()])
+    before_step_3 = []
+    encode = unified.encode_batch
+
+    def counting_encode(*args, **kwargs):
+        if torch.is_grad_enabled() and not before_step_3:
+            before_step_3.append(counter.live())
+        return encode(*args, **kwargs)
+    monkeypatch.setattr(unified, "encode_batch", counting_encode)
+    with counter:
+        optimized.gradcache_step(model, micro_batches(q, pos, neg, 4, 1), 1e-3, 2e-3, None,
+                                 torch.amp.GradScaler("cpu", enabled=False))
+    one_copy = (16 + 32) * vocab * 4  # 16 queries and 32 documents
+    assert 0.99 < before_step_3[0] / one_copy < 1.1, before_step_3[0] / one_copy
+
+
 # --- data and its errors ----------------------------------------------------------------------------
 def write(path, text):
     path.write_text(text, encoding="utf-8")
