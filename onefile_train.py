@@ -111,7 +111,7 @@ CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "weight_decay", "be
 
 def check_run_dir(args, argv, options, world, log):
     """A saved run is continued (--resume) or replaced (--overwrite), never silently; returns the saved state or None.
-    Every saved file is read whole here: a damaged one stops the run before anything is written."""
+    The weights and the training state are read whole here: a damaged one stops the run before any write."""
     if args.resume and args.overwrite:
         raise UserError("--resume continues the run in --out-dir and --overwrite replaces it; pass one of them")
     # OUT/checkpoint; or OUT/checkpoint.old, if a save stopped between its two renames (save_checkpoint)
