@@ -27,7 +27,8 @@ RUNTIME_BASELINE = {"cpu": 250 * 2**20, "cuda": 0, "mps": 100 * 2**20}
 # optimizers import on their first step (71 MiB), is imported before the runtime is measured, so it
 # counts there (cpu_runtime_bytes). CUDA's max_memory_allocated counts tensors only: nothing added.
 CPU_FIRST_STEP = 20 * 2**20
-RUNTIME_LABEL = "runtime (measured: Python, torch, the data)"
+RUNTIME_LABEL = "runtime (measured: Python, torch, the data)"  # fine-tuning measures after reading its data
+PRETRAIN_RUNTIME_LABEL = "runtime (measured: Python, torch)"  # pretraining measures before preparing its data
 FIRST_STEP_LABEL = "runtime: first step's kernels and threads"
 
 
@@ -167,7 +168,8 @@ def estimate_gpt_training(cfg: GPTConfig, n_params: int, batch_size: int, block_
     }
     if ddp:
         estimate["DDP gradient buckets (fp32)"] = int(n_params * 4)
-    estimate.update(runtime_terms(device_type, runtime))  # runtime: the CPU's resident set, measured
+    # runtime: the CPU's resident set, measured before the model and the data (train.py, train_fsdp.py)
+    estimate.update(runtime_terms(device_type, runtime, PRETRAIN_RUNTIME_LABEL))
     return estimate
 
 
@@ -219,7 +221,7 @@ def estimate_fsdp_training(cfg: GPTConfig, n_params: int, batch_size: int, block
         unsharded_label: unsharded * 4,
         "activations": activation_bytes(cfg, batch_size, block_size, mixed_precision, checkpointing),
         LOSS_LABEL: gpt_loss_bytes(cfg, batch_size, block_size, mixed_precision),
-        **runtime_terms(device_type, runtime),  # runtime: this rank's resident set, measured on a CPU
+        **runtime_terms(device_type, runtime, PRETRAIN_RUNTIME_LABEL),  # this rank's resident set, on a CPU
     }
 
 
