@@ -599,10 +599,10 @@ def whole_update():
 
 def save_on_interrupt(save: Callable, step: int, out_dir: str, is_main: bool = True, cleanup: Callable = None):
     """Ctrl-C or SIGTERM: save the updates made so far (step = the next one to run, so --resume neither
-    skips nor repeats one), say so, and exit 130 (128 + SIGINT) or 143 (128 + SIGTERM), the shell's codes.
-    A second signal during the save (torchrun forwards one to its workers, a scheduler may repeat its
-    SIGTERM) is ignored until the save is done; SIGKILL cannot be, and then the commit point keeps the
-    previous checkpoint whole."""
+    skips nor repeats one: whole_update keeps an update and that count together), say so, and exit 130
+    (128 + SIGINT) or 143 (128 + SIGTERM), the shell's codes. A second signal during the save (torchrun
+    forwards one to its workers, a scheduler may repeat its SIGTERM) is ignored until the save is done;
+    SIGKILL cannot be, and then the commit point keeps the previous checkpoint whole."""
     terminated = isinstance(sys.exc_info()[1], Terminated) or distributed.STOP["signal"] == signal.SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

@@ -8,6 +8,8 @@ it joins the others: before_any_rank_work):
 - a fresh run into a saved directory is refused, and every file is left as it was;
 - --resume with no other flags after Ctrl-C continues exactly: the saved weights of a run stopped at a
   step and resumed equal those of an unbroken run;
+- a signal that arrives inside optimizer.step() waits for the update and its counting (lib/rundir.whole_update):
+  train.py and onefile_train.py then resume exactly, and every other loop saves as many steps as it applied updates;
 - --resume --overwrite is refused;
 - --overwrite with a bad flag, or with a memory request the machine cannot have, leaves the old run
   byte-identical;
