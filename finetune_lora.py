@@ -209,15 +209,16 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
             # A NaN or inf gradient never reaches A and B: the update is skipped (fp16's GradScaler does that
             # by itself, and lowers its scale).
             skipped = not math.isfinite(grad_norm)
-            if scaler.is_enabled() or not skipped:
-                scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            next_step = step + 1
-            speed.add(tokens_per_step)
-            if skipped:
-                log(f"step {step}: gradient norm is {grad_norm}; update skipped")
-            updates.record(step, skipped and not scaler.is_enabled())  # stops after 10 skipped in a row
+            with rundir.whole_update():  # Ctrl-C or SIGTERM waits for the update and its counting
+                if scaler.is_enabled() or not skipped:
+                    scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                next_step = step + 1
+                speed.add(tokens_per_step)
+                if skipped:
+                    log(f"step {step}: gradient norm is {grad_norm}; update skipped")
+                updates.record(step, skipped and not scaler.is_enabled())  # stops after 10 skipped in a row
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=None if skipped else grad_norm, skipped=skipped)
             if step % args.log_interval == 0 or step == args.steps - 1:

@@ -724,12 +724,13 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
             # A non-finite gradient (an fp16 overflow, a bad batch) would poison the weights: skip the update.
             # (Under fp16 the GradScaler skips it by itself and lowers its scale.)
             skipped = not math.isfinite(grad_norm)
-            if scaler.is_enabled() or not skipped:
-                scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            progress.step = step + 1
-            updates.record(step, skipped and not scaler.is_enabled())  # 10 skipped in a row stop the run
+            with rundir.whole_update():  # Ctrl-C or SIGTERM waits for the update and its counting
+                if scaler.is_enabled() or not skipped:
+                    scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                progress.step = step + 1
+                updates.record(step, skipped and not scaler.is_enabled())  # 10 skipped in a row stop the run
             speed.add(tokens)
             if recipe.empty_cache_every and progress.step % recipe.empty_cache_every == 0 and device.type == "mps":
                 torch.mps.empty_cache()  # MPS keeps freed blocks cached; long runs otherwise creep upwards

@@ -212,8 +212,7 @@ class Batches:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
         starts = torch.randint(len(self.tokens) - self.window + 1, self.shape, generator=generator)
         windows = np.stack([self.tokens[start : start + self.window] for start in starts[micro, self.rank].tolist()])
-        inputs, targets = (torch.from_numpy(part.astype(np.int64)) for part in (windows[:, :-1], windows[:, 1:]))
-        return inputs.to(device), targets.to(device)
+        return tuple(torch.from_numpy(part.astype(np.int64)).to(device) for part in (windows[:, :-1], windows[:, 1:]))
 
 
 # --- model --------------------------------------------------------------------------------------
@@ -342,9 +341,8 @@ def save_checkpoint(out_dir, model, optimizer, step, args, world):
     final, tmp, old = (os.path.join(out_dir, name) for name in ("checkpoint", "checkpoint.tmp", "checkpoint.old"))
     shutil.rmtree(tmp, ignore_errors=True)  # what a crash in an earlier save left
     os.makedirs(tmp)
-    # lm_head is tied to wte: transformers re-ties it on load.
     tensors = hf_layout((name, tensor.detach().cpu()) for name, tensor in model.state_dict().items()
-                        if name != "lm_head.weight")
+                        if name != "lm_head.weight")  # lm_head is tied to wte: transformers re-ties it on load
     save_file(tensors, os.path.join(tmp, "model.safetensors"), metadata={"format": "pt", "step": str(step)})
     cfg = model.config
     config = {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
@@ -482,7 +480,7 @@ def run(args, parser, argv):
                 dtype="bf16" if amp else "fp32", n_params=n_params, config=vars(cfg), args=vars(args))
     next_step = start_step  # the first step whose update is not in the weights yet: what a checkpoint records
     last_saved = start_step if train_state else None  # only finite weights are ever saved
-    ctrl_c = []  # under torchrun Ctrl-C reaches each rank at another point: a flag, which the ranks agree on
+    ctrl_c = []  # Ctrl-C as a flag: under torchrun always (it reaches each rank at another point), alone in an update
     if world > 1:
         signal.signal(signal.SIGINT, lambda *_: ctrl_c.append(1))
     try:
@@ -507,15 +505,17 @@ def run(args, parser, argv):
             if not math.isfinite(loss_value + grad_norm):  # the update would turn weights into NaN: stop before it
                 raise diverged(f"the loss is {loss_value} and the gradient norm {grad_norm} at step {step}; "
                                f"stopped before the update")  # (train.py skips a few such updates: lib/rundir.Updates)
-            optimizer.step()
+            handler = signal.signal(signal.SIGINT, lambda *_: ctrl_c.append(1))  # from here to next_step Ctrl-C
+            optimizer.step()  # only sets the flag: no save holds half an update, or one that next_step misses
             optimizer.zero_grad(set_to_none=True)
             next_step, record = step + 1, dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
+            signal.signal(signal.SIGINT, handler)
             if step % args.log_interval == 0 or step == args.steps - 1:
                 record["tokens_per_s"] = round(tokens_per_s := tokens_per_step / (time.perf_counter() - started))
                 log(f"step {step:5d}/{args.steps} | loss {loss_value:.4f} | lr {lr:.2e} | {tokens_per_s:8,.0f} tok/s")
             log_metrics(**record)
-            if world > 1 and across_ranks(torch.tensor(float(bool(ctrl_c)), device=device), dist.ReduceOp.MAX):
-                raise KeyboardInterrupt  # on every rank after the same step, once any rank saw Ctrl-C
+            if across_ranks(torch.tensor(float(bool(ctrl_c)), device=device), dist.ReduceOp.MAX):
+                raise KeyboardInterrupt  # after a whole step (under torchrun on every rank, once any rank saw Ctrl-C)
             if next_step % args.save_interval == 0 and next_step < args.steps:
                 save(next_step)
     except KeyboardInterrupt:  # save exactly the updates made so far: --resume neither skips nor repeats one

@@ -325,8 +325,8 @@ def run(args, parser, argv):
     speed = metrics.Throughput(args.steps, start_step)
     if args.compile:
         log("torch.compile: the first step compiles the model, which takes a minute or more (longer on a CPU)")
-    # next_step is what a checkpoint records: it moves only once optimizer.step() has run, so an
-    # interrupt anywhere in a step saves a state that --resume continues without repeating work.
+    # next_step is what a checkpoint records: it moves in the same whole_update() block as the update, so
+    # an interrupt anywhere in a step saves a state that --resume continues without repeating work.
     next_step = start_step
     # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
     updates = rundir.Updates(args.out_dir, last_saved=start_step if args.resume else None)
@@ -362,15 +362,16 @@ def run(args, parser, argv):
             # A NaN or infinite gradient would turn every weight it touches into NaN: skip that update.
             # (Under fp16 the GradScaler skips it by itself and lowers its scale: its way of finding one.)
             skipped = not math.isfinite(grad_norm)
-            if scaler.is_enabled() or not skipped:
-                scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            next_step = step + 1
-            speed.add(tokens_per_step)
-            if skipped:
-                log(f"step {step}: gradient norm {grad_norm}, update skipped")
-            updates.record(step, skipped and not scaler.is_enabled())  # stops after 10 skipped in a row
+            with rundir.whole_update():  # Ctrl-C or SIGTERM waits for the update and its counting, then stops
+                if scaler.is_enabled() or not skipped:
+                    scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                next_step = step + 1
+                speed.add(tokens_per_step)
+                if skipped:
+                    log(f"step {step}: gradient norm {grad_norm}, update skipped")
+                updates.record(step, skipped and not scaler.is_enabled())  # stops after 10 skipped in a row
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if skipped:

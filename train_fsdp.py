@@ -582,7 +582,7 @@ def run(args, parser, argv):
     # Under torchrun, Ctrl-C only raises a flag: the ranks agree at the end of each step to stop, so all of
     # them reach the collective save together instead of one leaving while the others wait in an all-gather.
     ctrl_c = distributed.catch_ctrl_c(dist_info)
-    # next_step is what a checkpoint records: it moves only once the step's update has been applied.
+    # next_step is what a checkpoint records: it moves with the step's update, in one whole_update() block.
     next_step = start_step
     # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
     updates = rundir.Updates(os.path.join(args.out_dir, SHARDED), last_saved=start_step if run_dir.resumed else None)
@@ -620,19 +620,20 @@ def run(args, parser, argv):
             # A NaN or infinite gradient would turn every weight it touches into NaN: skip that update. The
             # norm is the global one, so every rank makes the same choice.
             skipped = not math.isfinite(grad_norm)
-            if not skipped:
-                optimizer.step()
-            if step == args.steps - 1:
-                held = held_bytes(model, optimizer)  # the only moment gradients and AdamW state both exist
-            optimizer.zero_grad(set_to_none=True)
-            next_step = step + 1
-            speed.add(tokens_per_step)
-            if step > start_step:  # the first step pays for warm-up; leave it out of the average
-                timed_tokens += tokens_per_step
-                timed_seconds += time.perf_counter() - t0
-            if skipped:
-                log(f"step {step}: gradient norm {grad_norm}, update skipped")
-            updates.record(step, skipped)  # stops after 10 skipped in a row
+            with rundir.whole_update():  # Ctrl-C or SIGTERM waits for the update and its counting
+                if not skipped:
+                    optimizer.step()
+                if step == args.steps - 1:
+                    held = held_bytes(model, optimizer)  # the only moment gradients and AdamW state both exist
+                optimizer.zero_grad(set_to_none=True)
+                next_step = step + 1
+                speed.add(tokens_per_step)
+                if step > start_step:  # the first step pays for warm-up; leave it out of the average
+                    timed_tokens += tokens_per_step
+                    timed_seconds += time.perf_counter() - t0
+                if skipped:
+                    log(f"step {step}: gradient norm {grad_norm}, update skipped")
+                updates.record(step, skipped)  # stops after 10 skipped in a row
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)
             if skipped:

@@ -1027,12 +1027,13 @@ def run(args, run_dir, variant=None):
             # A NaN or infinite gradient would turn every weight it touches into NaN: skip that update.
             # (Under fp16 the GradScaler skips it by itself and lowers its scale: its way of finding one.)
             skipped = not math.isfinite(grad_norm)
-            if scaler.is_enabled() or not skipped:
-                scaler.step(optimizer)
-            scaler.update()
-            optimizer.zero_grad(set_to_none=True)
-            next_step = step + 1
-            updates.record(step, skipped and not scaler.is_enabled())  # 10 skipped in a row stop the run
+            with rundir.whole_update():  # Ctrl-C or SIGTERM waits for the update and its counting
+                if scaler.is_enabled() or not skipped:
+                    scaler.step(optimizer)
+                scaler.update()
+                optimizer.zero_grad(set_to_none=True)
+                next_step = step + 1
+                updates.record(step, skipped and not scaler.is_enabled())  # 10 skipped in a row stop the run
             speed.add(sum(mb.q_mask.sum().item() + mb.d_mask.sum().item() for mb in micro))
 
             record = dict(step=step, lr=lr_now, lambda_q=lam_q, lambda_d=lam_d, grad_norm=grad_norm, **stats)

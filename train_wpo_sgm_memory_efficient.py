@@ -944,12 +944,13 @@ def run(args, parser, argv):
             first_loss = loss_value if first_loss is None else first_loss
             grad_norm = torch.nn.utils.clip_grad_norm_(factornet.parameters(), args.grad_clip or float("inf")).item()
             skipped = not math.isfinite(grad_norm)
-            if skipped:  # a non-finite gradient would poison AdamW's moments: drop this update
-                log(f"step {step}: gradient norm {grad_norm}, update skipped")
-            else:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            next_step = step + 1
+            with rundir.whole_update():  # Ctrl-C or SIGTERM waits for the update and its counting
+                if skipped:  # a non-finite gradient would poison AdamW's moments: drop this update
+                    log(f"step {step}: gradient norm {grad_norm}, update skipped")
+                else:
+                    optimizer.step()
+                optimizer.zero_grad(set_to_none=True)
+                next_step = step + 1
             speed.add(args.batch_size)
 
             record = dict(step=step, loss=loss_value, lr=lr, grad_norm=grad_norm)

@@ -51,9 +51,11 @@ def restart_store(info: DistInfo) -> dict:
 
     torchrun's agent keeps one key-value store for the whole job, and the ranks of every launch find
     each other through it. The first launch's keys are still there when the second launch starts, and
-    (in torch 2.13 at least) the new ranks read the dead ranks' addresses from them and wait forever in
-    init_process_group. Prefixing every key with the launch's number (TORCHELASTIC_RESTART_COUNT) gives
-    each launch a clean namespace. The first launch, or a plain `python` run, uses torch's default."""
+    (in torch 2.13 at least) a new rank may read a dead rank's address from them: its init_process_group
+    then fails (gloo: "connectFullMesh ... Connection refused") and the launch is lost, a restart spent;
+    or, by the luck of timing, it works. Prefixing every key with the launch's number
+    (TORCHELASTIC_RESTART_COUNT) gives each launch a clean namespace. The first launch, or a plain
+    `python` run, uses torch's default."""
     launch = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
     if not launch or "MASTER_ADDR" not in os.environ:
         return {}
@@ -131,7 +133,8 @@ def catch_ctrl_c(info: DistInfo) -> dict:
     an exception that strikes each rank at a different point (one inside an all-reduce the others never
     reach). The terminal's SIGINT, the copy torchrun forwards, and a scheduler's SIGTERM (to every rank,
     or forwarded by torchrun) only set the flag. A single process keeps Python's KeyboardInterrupt, and
-    lib/rundir.catch_sigterm's Terminated, which stop it at once."""
+    lib/rundir.catch_sigterm's Terminated, which stop it at once, but for a step's update and its counting
+    (lib/rundir.whole_update): there they wait for its end."""
     flag = {"requested": 0}
     if info.enabled:
         def request(signum, frame):

@@ -30,7 +30,8 @@ files, the flags that make the run what it is, the flags a resume may change, it
    commit and never put back: the top keeps the newest, until the next end writes it again.
    guards.check_finite_weights comes first: weights holding NaN or inf are never saved.
 4. save_on_interrupt(): Ctrl-C saves the updates made so far and exits 130; SIGTERM (what SLURM,
-   Kubernetes and spot machines send before SIGKILL) does the same and exits 143.
+   Kubernetes and spot machines send before SIGKILL) does the same and exits 143. whole_update() holds
+   either signal back while a step's update is applied and counted, so a save never holds half of one.
 5. Updates: an update skipped for a non-finite gradient is counted; MAX_SKIPPED in a row stop the
    run with a clear message, and a run that applied no update at all says so and exits non-zero.
 """
@@ -44,6 +45,7 @@ import os
 import shutil
 import signal
 import sys
+import threading
 from typing import Callable
 
 import torch
@@ -569,12 +571,38 @@ def catch_sigterm():
         signal.signal(signal.SIGTERM, on_sigterm)
 
 
+@contextlib.contextmanager
+def whole_update():
+    """Wrap a step's update and its counting (optimizer.step() to next_step = step + 1): a signal never cuts it.
+
+    Python raises KeyboardInterrupt (and catch_sigterm Terminated) at whatever line is running; inside
+    optimizer.step(), which updates the tensors in turn, a save would hold half an update, and between the update
+    and next_step one the step counter misses. So inside this block SIGINT and SIGTERM are only noted; on leaving
+    it the previous handlers are put back and a noted signal is sent again, to them: a single process then stops
+    right after the block, and under torchrun catch_ctrl_c's handlers set their flag. (A block that raises keeps its
+    exception and drops the noted signal: the scripts stop on that exception anyway.) A few signal.signal calls a step.
+    Only the main thread may set handlers: elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    noted, previous = [], {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            previous[signum] = signal.signal(signum, lambda signum, frame: noted.append(signum))
+        yield
+    finally:
+        for signum, handler in previous.items():  # None: a handler not set from Python; the default stands in
+            signal.signal(signum, signal.SIG_DFL if handler is None else handler)
+    for signum in sorted(set(noted), reverse=True):  # SIGTERM (15) first: it outranks SIGINT, as in catch_ctrl_c
+        signal.raise_signal(signum)
+
+
 def save_on_interrupt(save: Callable, step: int, out_dir: str, is_main: bool = True, cleanup: Callable = None):
     """Ctrl-C or SIGTERM: save the updates made so far (step = the next one to run, so --resume neither
-    skips nor repeats one), say so, and exit 130 (128 + SIGINT) or 143 (128 + SIGTERM), the shell's codes.
-    A second signal during the save (torchrun forwards one to its workers, a scheduler may repeat its
-    SIGTERM) is ignored until the save is done; SIGKILL cannot be, and then the commit point keeps the
-    previous checkpoint whole."""
+    skips nor repeats one: whole_update keeps an update and that count together), say so, and exit 130
+    (128 + SIGINT) or 143 (128 + SIGTERM), the shell's codes. A second signal during the save (torchrun
+    forwards one to its workers, a scheduler may repeat its SIGTERM) is ignored until the save is done;
+    SIGKILL cannot be, and then the commit point keeps the previous checkpoint whole."""
     terminated = isinstance(sys.exc_info()[1], Terminated) or distributed.STOP["signal"] == signal.SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)

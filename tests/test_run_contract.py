@@ -8,6 +8,8 @@ it joins the others: before_any_rank_work):
 - a fresh run into a saved directory is refused, and every file is left as it was;
 - --resume with no other flags after Ctrl-C continues exactly: the saved weights of a run stopped at a
   step and resumed equal those of an unbroken run;
+- a signal that arrives inside optimizer.step() waits for the update and its counting (lib/rundir.whole_update):
+  train.py and onefile_train.py then resume exactly, and every other loop saves as many steps as it applied updates;
 - --resume --overwrite is refused;
 - --overwrite with a bad flag, or with a memory request the machine cannot have, leaves the old run
   byte-identical;
@@ -16,6 +18,7 @@ it joins the others: before_any_rank_work):
 - a diverging run never saves non-finite weights and exits non-zero.
 """
 
+import contextlib
 import dataclasses
 import importlib
 import inspect
@@ -28,6 +31,7 @@ from typing import Callable
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lib import rundir
 from tests.conftest import TINY, ctrl_c_launcher, torchrun
@@ -334,6 +338,61 @@ def test_ctrl_c_saves_and_resume_continues_exactly(case, unbroken, data_flags, t
     assert sorted(resumed) == sorted(straight)
     for key in straight:
         torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=1e-6, msg=key)
+
+
+@contextlib.contextmanager
+def signal_inside_update(updates_done, signum, armed=False):
+    """Send signum to this process from inside optimizer.step() of update `updates_done`, once the weights hold it
+    and before the loop has counted it: a global optimizer post-hook (what scaler.step and a Python optimizer such
+    as lib/adam8bit's go through too). It is armed at rundir.begin, as the judge's tiny demo base pretrains with its
+    own AdamW before that; onefile_train.py, which has no lib/, is armed at once. Yields the updates it saw."""
+    seen, started, real_begin = [], [armed], rundir.begin
+
+    def begin(*args, **kwargs):
+        started[0] = True
+        return real_begin(*args, **kwargs)
+
+    def after_update(optimizer, args, kwargs):
+        if started[0]:
+            seen.append(1)
+            if len(seen) == updates_done:
+                os.kill(os.getpid(), signum)
+
+    handle = register_optimizer_step_post_hook(after_update)
+    rundir.begin = begin
+    try:
+        yield seen
+    finally:
+        rundir.begin = real_begin
+        handle.remove()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)  # rundir.begin's handler would stay behind in pytest
+
+
+@pytest.mark.parametrize("name", ["train", "onefile_train"])
+def test_a_signal_inside_the_update_saves_it_whole_and_resume_continues_exactly(name, unbroken, data_flags, tmp_path):
+    """Ctrl-C that arrives while optimizer.step() runs (here: just after its last tensor) waits for the update and
+    its counting to end: the save holds exactly the updates it says, and --resume equals the unbroken run."""
+    case, out = CASES[name], tmp_path / "split"
+    with signal_inside_update(case.stop_at, signal.SIGINT, armed=name == "onefile_train") as seen:
+        code, _ = run_script(case, out, data_flags=data_flags.get(name, ()))
+    assert code == 130 and len(seen) == case.stop_at
+    code, log = run_script(case, out, "--resume")
+    assert code == 0, log[-3000:]
+    resumed, straight = weights_of(out, case), weights_of(unbroken(name), case)
+    for key in straight:
+        torch.testing.assert_close(resumed[key], straight[key], rtol=0, atol=1e-6, msg=key)
+
+
+@pytest.mark.parametrize("name", [name for name, case in sorted(CASES.items())
+                                  if not case.torchrun and name not in ("train", "onefile_train")])
+def test_sigterm_inside_the_update_saves_as_many_steps_as_updates(name, data_flags, tmp_path):
+    """The other loops, cheaply: SIGTERM inside update stop_at, and the saved step counts every applied update."""
+    case, out = CASES[name], tmp_path / "run"
+    with signal_inside_update(case.stop_at, signal.SIGTERM) as seen:
+        code, _ = run_script(case, out, data_flags=data_flags.get(name, ()))
+    assert code == 143 and len(seen) == case.stop_at
+    state = rundir.load_state(os.path.join(out, importlib.import_module(case.script).RUN.state_file))
+    assert state["step"] == case.stop_at
 
 
 def test_a_diverging_run_never_saves_non_finite_weights(case, data_flags, tmp_path, capsys):

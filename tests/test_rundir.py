@@ -4,6 +4,7 @@ import argparse
 import json
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -186,6 +187,36 @@ def test_save_on_interrupt_saves_prints_and_exits_130(capsys):
     signal.signal(signal.SIGINT, signal.default_int_handler)
     assert e.value.code == 130 and calls == ["saved"]
     assert "interrupted: saved step 7 to OUT; continue with --resume" in capsys.readouterr().err
+
+
+def test_whole_update_holds_a_signal_until_the_block_ends_and_then_delivers_it():
+    done = []
+    with pytest.raises(KeyboardInterrupt):  # Ctrl-C inside: the block runs to its end, then the interrupt comes
+        with rundir.whole_update():
+            os.kill(os.getpid(), signal.SIGINT)
+            done.append("rest of the update")
+        done.append("after the block")
+    assert done == ["rest of the update"]
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # the handler it found is back
+    flags = []  # a flag handler (distributed.catch_ctrl_c's, under torchrun) just gets the signal, late
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: flags.append(signum))
+    try:
+        with rundir.whole_update():
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert flags == []
+        assert flags == [signal.SIGTERM]
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    found = []  # outside the main thread no handler can be set (signal.signal raises): the block simply runs
+
+    def in_a_thread():
+        with rundir.whole_update():
+            found.append(signal.getsignal(signal.SIGINT))
+
+    thread = threading.Thread(target=in_a_thread)
+    thread.start()
+    thread.join()
+    assert found == [signal.default_int_handler]
 
 
 def test_fingerprint_of_a_directory_covers_names_and_bytes(tmp_path):
