@@ -697,6 +697,7 @@ def splade_breakdown(batch="32"):
     cfg = bert.BertConfig()
     n = bert.param_count(cfg)
     e = unified.estimate_memory(cfg, n, int(batch), 1, 32, 256, "cuda")
+    bf16 = unified.estimate_memory(cfg, n, int(batch), 1, 32, 256, "cuda", amp=True)
     state = e["parameters (fp32)"] + e["gradients (fp32)"] + e["AdamW moments (2 x fp32)"]
     return "\n".join([
         f"| component | bytes | BERT-base, B={batch}, k=1, Lq=32, Ld=256 |", "|---|---|---:|",
@@ -704,6 +705,7 @@ def splade_breakdown(batch="32"):
         "| encoder activations | about 18 x hidden values per token and layer, plus attention | "
         f"{_gib(e['encoder activations'])} |",
         f"| MLM logits and their gradients | tokens x vocabulary x 12 | {_gib(e['MLM logits + gradient'])} |", "",
-        f"(`estimate_memory` in `train_splade_unified.py`, which `--estimate-memory` prints; BERT-base: "
+        f"(`estimate_memory` in `train_splade_unified.py`, which `--estimate-memory` prints, here in fp32; BERT-base: "
         f"{cfg.num_hidden_layers} layers, {cfg.hidden_size} wide, vocabulary {cfg.vocab_size:,}, {n / 1e6:.1f}M "
-        f"parameters; the whole estimate, CUDA: {_gib(sum(e.values()))}.)"])
+        f"parameters; the whole estimate on CUDA: {_gib(sum(e.values()))} in fp32 (`--dtype fp32`), "
+        f"{_gib(sum(bf16.values()))} under the bf16 autocast that `--dtype auto` picks on an Ampere or newer GPU.)"])
