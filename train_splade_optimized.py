@@ -232,22 +232,22 @@ def is_out_of_memory(err):
     return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
 
 
-def out_of_memory_advice(args, device):
+def out_of_memory_advice(args, device, amp):
     path = os.path.join(args.output_dir, checkpoint.WEIGHTS)
     step = checkpoint.weights_step(path) if os.path.isfile(path) else None
     kept = ("no checkpoint was saved yet" if step is None else
             f"the last checkpoint (step {step}) in {args.output_dir} is kept: --resume continues it (with the same "
             f"--batch-size and --gradient-accumulation-steps, fixed flags of a run; changing them is a new run)")
-    return f"out of memory on {device}; {kept}; try {memory_advice(args, device)}"
+    return f"out of memory on {device}; {kept}; try {memory_advice(args, device, amp)}"
 
 
-def memory_advice(args, device):
+def memory_advice(args, device, amp):
     """The flags that make a step fit, cheapest first: the same result in smaller pieces, then less memory."""
     tries = [f"--batch-size {max(1, args.batch_size // 2)} --gradient-accumulation-steps {args.grad_accum * 2} "
              f"(the same result with GradCache)"]
     if not args.memory_efficient:
         tries.append("--memory-efficient")
-    if device.type != "cpu" and not args.mixed_precision:
+    if device.type != "cpu" and amp is None:  # not autocasting yet (CUDA's --dtype auto already does)
         tries.append("--mixed-precision")
     if args.max_length > 64:
         tries.append(f"--max-length {args.max_length // 2}")
@@ -269,14 +269,14 @@ def run(args, run_dir):
         after_step=make_after_step(args, device) if args.memory_efficient or args.memory_tracking else None,
         estimate_kwargs=dict(checkpointing=args.memory_efficient, optimizer_on_cpu=offload,
                              cached_batch=args.batch_size * args.grad_accum if args.grad_accum > 1 else 0),
-        memory_hint=f"try {memory_advice(args, device)}",
+        memory_hint=f"try {memory_advice(args, device, amp)}",
     )
     try:
         result = unified.run(args, run_dir, variant)
     except (torch.OutOfMemoryError, RuntimeError) as err:
         if not is_out_of_memory(err):
             raise
-        raise UserError(out_of_memory_advice(args, device)) from None
+        raise UserError(out_of_memory_advice(args, device, amp)) from None
     if args.memory_tracking and not args.estimate_memory:
         print(f"memory: peak {metrics.format_bytes(devices.peak_memory_bytes(device))} "
               f"({devices.memory_label(device)}), resident now {metrics.format_bytes(devices.resident_bytes())}")

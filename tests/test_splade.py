@@ -521,6 +521,14 @@ def test_memory_advice_fits_the_script(tmp_path, data_files, capsys):
     assert not os.path.exists(tmp_path / "m" / "metrics.jsonl")
 
 
+def test_memory_advice_names_mixed_precision_only_where_it_would_change_the_dtype():
+    args = optimized.build_parser().parse_args(["--max-length", "64"])
+    cuda, mps = torch.device("cuda"), torch.device("mps")
+    assert "--mixed-precision" not in optimized.memory_advice(args, cuda, torch.bfloat16)  # --dtype auto on CUDA
+    assert "--mixed-precision" in optimized.memory_advice(args, mps, None)  # MPS computes in fp32 by default
+    assert "--mixed-precision" not in optimized.memory_advice(args, torch.device("cpu"), None)  # refused on CPU
+
+
 def test_val_file_needs_a_train_file(tmp_path, data_files, capsys):
     err = error_of(capsys, unified.main, ["--val-file", data_files[1], "--out-dir", str(tmp_path / "v"), *TINY])
     assert "--val-file goes with --train-file" in err
