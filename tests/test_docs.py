@@ -390,7 +390,6 @@ BY_HAND = [
     ("docs/fsdp2_explained.md", "1.5x", "3P against 2P of traffic, worked on the page"),
     ("docs/fsdp2_explained.md", "24 GB", "a GPU's memory size, not a figure of this repository"),
     ("docs/fsdp2_explained.md", "307 MiB", "50,257 x 1,600 x 4 bytes, worked on the page"),
-    ("docs/fsdp2_explained.md", "30 seconds", "torchrun's grace period before it kills the workers, a setting"),
     ("docs/fsdp2_explained.md", "6.2 GB", "1.56B parameters x 4 bytes"),
     ("docs/judge_mps_vs_cuda.md", "128 KiB", "judge_train_cuda.py's heap threshold (cpu_heap_threshold), a setting"),
     ("docs/memory_optimization.md", "22 MiB",
