@@ -408,7 +408,6 @@ BY_HAND = [
     ("docs/wpo_sgm_memory.md", "37.7 GB", "1000 x 3072^2 x 4 bytes, worked on the page"),
     ("docs/wpo_sgm_memory.md", "35.2 GiB", "1000 x 3072^2 x 4 bytes, worked on the page"),
     ("docs/wpo_sgm_memory.md", "3.4 GiB", "307 M parameters x 12 bytes (weights and AdamW state; the update)"),
-    ("docs/wpo_sgm_memory.md", "5 s", "the script's progress interval (EVERY), a setting"),
     ("docs/wpo_sgm_memory.md", "32 MiB", "glibc's documented ceiling of its mmap threshold"),
     ("docs/wpo_sgm_memory.md", "128 KiB", "the script's heap threshold, a setting"),
 ]
