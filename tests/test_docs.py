@@ -397,7 +397,6 @@ BY_HAND = [
     ("docs/pretraining_data.md", "1,600 MB", "the sizes bench/prepare.py is told to prepare: its inputs"),
     ("docs/pretraining_data.md", "8 MB", "the size of the files bench/prepare.py writes: its input"),
     ("docs/qlora_explained.md", "23 GiB", "1.56 billion parameters x 16 bytes, worked on the page"),
-    ("docs/qlora_explained.md", "475 MiB", "GPT-2 124M's parameters x 4 bytes"),
     ("docs/qlora_explained.md", "32 MiB", "glibc's documented ceiling of its mmap threshold"),
     ("docs/splade_explained.md", "5.94 GiB", "17,408 tokens x 30,522 x 12 bytes, worked on the page"),
     ("docs/splade_explained.md", "128 KiB", "glibc's documented starting mmap threshold"),
@@ -411,6 +410,13 @@ BY_HAND = [
     ("docs/wpo_sgm_memory.md", "32 MiB", "glibc's documented ceiling of its mmap threshold"),
     ("docs/wpo_sgm_memory.md", "128 KiB", "the script's heap threshold, a setting"),
 ]
+
+
+def prose(page):
+    """The page without its figure blocks."""
+    text = read(page)
+    inside = {i for start, end, _ in render.blocks(text) for i in range(start, end + 1)}
+    return "\n".join(line for i, line in enumerate(text.split("\n")) if i not in inside)
 
 
 def figures_in_sentences(page, text):
@@ -443,7 +449,9 @@ def test_a_figure_in_a_sentence_is_caught_and_an_inline_block_is_not():
     text = "It took 1.45x as long (12 s, 622 MiB, MAE 0.05), on 4 x 1024 tokens at 2 bytes a parameter.\n" \
            "The peak: <!-- figures: docs.figures.value bench/results/x.json a -->622 MiB<!-- /figures -->.\n"
     assert [f for _, f in figures_in_sentences("docs/x.md", text)] == ["1.45x", "12 s", "622 MiB", "MAE 0.05"]
-    assert [phrase for page, phrase, why in BY_HAND if not (page in PAGES and phrase in read(page) and why)] == []
+    # Each allowance is still used: its phrase is in its page's prose (a phrase left only inside a block, or gone,
+    # would let the same figure back into a sentence unchecked).
+    assert [phrase for page, phrase, why in BY_HAND if not (page in PAGES and phrase in prose(page) and why)] == []
 
 
 def test_an_inline_block_is_rendered_and_checked(tmp_path, monkeypatch):
