@@ -177,6 +177,7 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
     # next_step moves only once the update has been applied: an interrupt anywhere in a step saves a
     # state that --resume continues without repeating or skipping an update.
     next_step = start_step
+    rng_at_step = None  # (step, its random states as it began): the ones a save in a step that did not count holds
     updates = rundir.Updates(args.out_dir, last_saved=start_step if state else None)  # skipped ones, the last save
 
     def save(step):  # the adapter and the training state after `step` updates (the next step to run)
@@ -185,6 +186,7 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
     val_loss = None
     try:
         for step in range(start_step, args.steps):
+            rng_at_step = step, devices.rng_states()  # before this step draws (LoRA dropout; evaluate draws nothing)
             if step % args.eval_interval == 0:
                 val_loss = finetune.evaluate(model, val_batches, args.eval_batches, device, amp)
                 first_val = val_loss if first_val is None else first_val
@@ -232,7 +234,7 @@ def run(args, parser, argv, spec=RUN, recipe_for=recipe_for):
             if next_step % args.save_interval == 0 and next_step < args.steps:
                 save(next_step)
     except KeyboardInterrupt:  # save exactly the updates made so far, then exit 130
-        rundir.save_on_interrupt(lambda: save(next_step), next_step, args.out_dir)
+        rundir.save_on_interrupt(lambda: save(next_step), next_step, args.out_dir, rng_at_step=rng_at_step)
     step = next_step
     updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 

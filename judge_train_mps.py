@@ -692,8 +692,10 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
         save_state(run_dir, args, model, optimizer, scaler, progress, updates.last_saved)
         updates.saved(progress.step)
 
+    rng_at_step = None  # (step, its random states as it began): the ones a save in a step that did not count holds
     try:
         for step in range(progress.step, total_steps):
+            rng_at_step = step, devices.rng_states()  # before this step draws (LoRA dropout; validate draws nothing)
             if step % args.eval_steps == 0 and progress.last_eval != step:
                 progress.stopped_early = validate(step)
                 if progress.stopped_early:
@@ -756,7 +758,7 @@ def train(model, optimizer, scaler, recipe: Recipe, train_enc, val_enc, pad_id, 
             validate(progress.step)
         checkpoint()
     except KeyboardInterrupt:  # save exactly the updates made so far, then exit 130
-        rundir.save_on_interrupt(checkpoint, progress.step, args.output_dir)
+        rundir.save_on_interrupt(checkpoint, progress.step, args.output_dir, rng_at_step=rng_at_step)
     return progress
 
 

@@ -62,7 +62,6 @@ def make_parser():
 
     count = number(int, "an integer >= 0", lambda value: value >= 0)
     positive_int = number(int, "an integer >= 1", lambda value: value >= 1)
-    positive = number(float, "a number > 0", lambda value: value > 0)
     nonneg = number(float, "a number >= 0", lambda value: value >= 0)
     below_one = number(float, "a number from 0 to below 1", lambda value: 0 <= value < 1)
     class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):  # each default once; none for None or a switch
@@ -81,7 +80,7 @@ def make_parser():
     add("--steps", type=count, default=300, help="optimizer steps in total")
     add("--batch-size", type=positive_int, default=8, help="sequences per micro-batch per process")
     add("--grad-accum", type=positive_int, default=1, help="micro-batches per optimizer step")
-    add("--lr", type=positive, default=2e-3, help="peak learning rate")
+    add("--lr", type=number(float, "a number > 0", lambda value: value > 0), default=2e-3, help="peak learning rate")
     add("--min-lr-ratio", type=number(float, "a number from 0 to 1", lambda value: 0 <= value <= 1), default=0.1,
         help="final lr as a fraction of --lr")
     add("--warmup-steps", type=count, default=30, help="steps of linear learning-rate warmup")
@@ -266,8 +265,7 @@ class GPT(nn.Module):  # embeddings of tokens and positions, the blocks, a Layer
         # does not grow with depth; LayerNorms 1 and 0. lm_head re-draws the tied wte last: train.py's RNG order.
         for name, module in self.named_modules():
             if isinstance(module, (nn.Linear, nn.Embedding)):
-                std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj") else 0.02
-                nn.init.normal_(module.weight, mean=0.0, std=std)
+                nn.init.normal_(module.weight, std=0.02 / math.sqrt(2 * cfg.n_layer) if "c_proj" in name else 0.02)
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
@@ -435,9 +433,8 @@ def run(args, parser, argv):
         weights = hf_layout(train_state["weights"].items())
         raw_model.load_state_dict({**weights, "lm_head.weight": weights["transformer.wte.weight"]})
         optimizer.load_state_dict(train_state["optimizer"])
-        torch.set_rng_state(train_state["rng_cpu"])  # dropout draws from it
-        if train_state["rng_cuda"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(train_state["rng_cuda"])
+        torch.set_rng_state(train_state["rng_cpu"])  # dropout draws from it, and from each GPU's where CUDA is
+        torch.cuda.set_rng_state_all(train_state["rng_cuda"] if torch.cuda.is_available() else [])
         log(f"resuming from step {start_step} in {args.out_dir}")
 
     @torch.no_grad()
@@ -479,12 +476,14 @@ def run(args, parser, argv):
     log_metrics(event="start", seed=args.seed, step=start_step, world_size=world, device=str(device),
                 dtype="bf16" if amp else "fp32", n_params=n_params, config=vars(cfg), args=vars(args))
     next_step = start_step  # the first step whose update is not in the weights yet: what a checkpoint records
+    rng_at_step = (None,)  # (step, the CPU and GPU random states as it began): see Ctrl-C below
     last_saved = start_step if train_state else None  # only finite weights are ever saved
     ctrl_c = []  # Ctrl-C as a flag: under torchrun always (it reaches each rank at another point), alone in an update
     if world > 1:
         signal.signal(signal.SIGINT, lambda *_: ctrl_c.append(1))
     try:
         for step in range(start_step, args.steps):
+            rng_at_step = step, torch.get_rng_state(), torch.cuda.get_rng_state_all()  # before this step draws
             if step % args.eval_interval == 0:
                 validate(step)
             started = time.perf_counter()
@@ -520,6 +519,8 @@ def run(args, parser, argv):
                 save(next_step)
     except KeyboardInterrupt:  # save exactly the updates made so far: --resume neither skips nor repeats one
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C cannot cut the save short
+        if rng_at_step[0] == next_step:  # inside a step that did not count, masks drawn: save the RNG it began with,
+            torch.set_rng_state(rng_at_step[1]), torch.cuda.set_rng_state_all(rng_at_step[2])  # --resume redraws them
         save(next_step)
         log(f"\ninterrupted: saved step {next_step} to {args.out_dir}; continue with --resume", file=sys.stderr)
         if world > 1:  # every rank arrives before any leaves (at exit, the group goes: atexit above)
@@ -537,8 +538,7 @@ def run(args, parser, argv):
 
 
 def main(argv=None):
-    parser = make_parser()
-    args = parser.parse_args(argv)
+    args = (parser := make_parser()).parse_args(argv)
     try:
         return run(args, parser, sys.argv[1:] if argv is None else list(argv))
     except UserError as error:

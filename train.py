@@ -328,6 +328,7 @@ def run(args, parser, argv):
     # next_step is what a checkpoint records: it moves in the same whole_update() block as the update, so
     # an interrupt anywhere in a step saves a state that --resume continues without repeating work.
     next_step = start_step
+    rng_at_step = None  # (step, its random states as it began): the ones a save in a step that did not count holds
     # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
     updates = rundir.Updates(args.out_dir, last_saved=start_step if args.resume else None)
     val_loss = None
@@ -335,6 +336,7 @@ def run(args, parser, argv):
     ctrl_c = distributed.catch_ctrl_c(dist_info)
     try:
         for step in range(start_step, args.steps):
+            rng_at_step = step, devices.rng_states()  # before this step draws (dropout; evaluate draws nothing)
             if step % args.eval_interval == 0:
                 val_loss = evaluate(model, val_batches, args.eval_batches, device, amp, dist_info)
                 first_val = val_loss if first_val is None else first_val
@@ -392,7 +394,7 @@ def run(args, parser, argv):
     except KeyboardInterrupt:  # save exactly the updates made so far, then exit 130
         rundir.save_on_interrupt(lambda: save(run_dir, raw_model, optimizer, next_step, args, first_val, updates,
                                               dist_info), next_step, args.out_dir, dist_info.is_main,
-                                 cleanup=lambda: distributed.cleanup(dist_info))
+                                 cleanup=lambda: distributed.cleanup(dist_info), rng_at_step=rng_at_step)
     finally:
         signal.signal(signal.SIGINT, previous_handler)
     step = next_step

@@ -584,6 +584,7 @@ def run(args, parser, argv):
     ctrl_c = distributed.catch_ctrl_c(dist_info)
     # next_step is what a checkpoint records: it moves with the step's update, in one whole_update() block.
     next_step = start_step
+    rng_at_step = None  # (step, its random states as it began): the ones a save in a step that did not count holds
     # Only finite weights are ever saved, so every checkpoint this run wrote (or resumed from) is finite.
     updates = rundir.Updates(os.path.join(args.out_dir, SHARDED), last_saved=start_step if run_dir.resumed else None)
     held = held_bytes(model, optimizer)
@@ -591,6 +592,7 @@ def run(args, parser, argv):
     timed_tokens, timed_seconds = 0, 0.0
     try:
         for step in range(start_step, args.steps):
+            rng_at_step = step, devices.rng_states()  # this rank's, before this step draws (evaluate draws nothing)
             t0 = time.perf_counter()
             if step % args.eval_interval == 0:
                 val_loss = evaluate(model, val_batches, args.eval_batches, device)
@@ -654,7 +656,7 @@ def run(args, parser, argv):
     except KeyboardInterrupt:  # save exactly the updates made so far (collectively), then exit 130
         rundir.save_on_interrupt(lambda: save_sharded(run_dir, model, optimizer, next_step, cfg, args, first_val,
                                                       updates), next_step, args.out_dir, is_main,
-                                 cleanup=lambda: distributed.cleanup(dist_info))
+                                 cleanup=lambda: distributed.cleanup(dist_info), rng_at_step=rng_at_step)
     step = next_step
     updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 

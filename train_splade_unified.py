@@ -1009,10 +1009,14 @@ def run(args, run_dir, variant=None):
     # next_step is what a checkpoint records: it moves only once the update is applied, so an
     # interrupt anywhere in a step saves a state that --resume continues without repeating work.
     next_step, stopped_early = start_step, False
+    rng_at_step = None  # (step, its random states as it began): the ones a save in a step that did not count holds
     if val_data and start_step == 0:
         validate(0)
     try:
         for step in range(start_step, total_steps):
+            # Before this step draws: its dropout (GradCache sets the states back and forth within the step); the
+            # batch and its negatives come from generators of their own (batch_for_step).
+            rng_at_step = step, devices.rng_states()
             lr_now = optim.lr_at(step, args.lr, args.warmup_steps, total_steps, 0.0)
             for group in optimizer.param_groups:
                 group["lr"] = lr_now
@@ -1068,7 +1072,8 @@ def run(args, run_dir, variant=None):
                 break
     except KeyboardInterrupt:  # save exactly the updates made so far (--save-best-only: OUT keeps the best), exit 130
         keep_best = args.save_best_only and updates.last_saved is not None
-        rundir.save_on_interrupt(lambda: False if keep_best else save(next_step), next_step, out)
+        rundir.save_on_interrupt(lambda: False if keep_best else save(next_step), next_step, out,
+                                 rng_at_step=rng_at_step)
     step = next_step
     updates.finish()  # a run whose every update was skipped trained nothing: it says so and exits 2
 

@@ -10,7 +10,6 @@ import datetime
 import gc
 import os
 import signal
-import sys
 from dataclasses import dataclass
 
 import torch
@@ -154,17 +153,6 @@ def stop_requested(flag: dict, info: DistInfo, device) -> bool:
     if t.item():
         STOP["signal"] = int(t.item())
     return bool(t.item())
-
-
-def exit_interrupted():
-    """Exit 130 (128 + SIGINT), the shell's code for a run stopped by Ctrl-C, once the save is done.
-
-    Under torchrun the workers exit 130, but torchrun itself also got the SIGINT: its elastic agent
-    stops the workers and re-raises, so torchrun always ends with its own traceback whose last line is
-    `torch.distributed.elastic.multiprocessing.api.SignalException: Process <pid> got signal: 2` and
-    exit status 1, whatever the workers do (the README says so)."""
-    sys.stdout.flush()
-    sys.exit(130)
 
 
 def local_rank_0_first(info: DistInfo, fn):

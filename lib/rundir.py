@@ -31,7 +31,8 @@ files, the flags that make the run what it is, the flags a resume may change, it
    guards.check_finite_weights comes first: weights holding NaN or inf are never saved.
 4. save_on_interrupt(): Ctrl-C saves the updates made so far and exits 130; SIGTERM (what SLURM,
    Kubernetes and spot machines send before SIGKILL) does the same and exits 143. whole_update() holds
-   either signal back while a step's update is applied and counted, so a save never holds half of one.
+   either signal back while a step's update is applied and counted, so a save never holds half of one;
+   a signal inside a step that did not count saves the random states that step began with (rng_at_step).
 5. Updates: an update skipped for a non-finite gradient is counted; MAX_SKIPPED in a row stop the
    run with a clear message, and a run that applied no update at all says so and exits non-zero.
 """
@@ -50,6 +51,7 @@ from typing import Callable
 
 import torch
 
+from lib import device as devices
 from lib import distributed, errors, guards, metrics
 from lib.checkpoint import atomic_write, fault_point, fsync
 from lib.errors import UserError
@@ -597,15 +599,24 @@ def whole_update():
         signal.raise_signal(signum)
 
 
-def save_on_interrupt(save: Callable, step: int, out_dir: str, is_main: bool = True, cleanup: Callable = None):
+def save_on_interrupt(save: Callable, step: int, out_dir: str, is_main: bool = True, cleanup: Callable = None,
+                      rng_at_step: tuple = None):
     """Ctrl-C or SIGTERM: save the updates made so far (step = the next one to run, so --resume neither
     skips nor repeats one: whole_update keeps an update and that count together), say so, and exit 130
     (128 + SIGINT) or 143 (128 + SIGTERM), the shell's codes. A second signal during the save (torchrun
     forwards one to its workers, a scheduler may repeat its SIGTERM) is ignored until the save is done;
-    SIGKILL cannot be, and then the commit point keeps the previous checkpoint whole."""
+    SIGKILL cannot be, and then the commit point keeps the previous checkpoint whole.
+
+    rng_at_step is (a step, device.rng_states() as it began), taken at the top of each step before anything of
+    it draws. A signal inside that step before its update counted (step is still that step) finds its dropout
+    masks drawn and the generators moved on: those states are put back first, so the save holds the ones the
+    step began with and --resume redraws the same masks, as the unbroken run did. After a counted step the
+    current states are already the next step's."""
     terminated = isinstance(sys.exc_info()[1], Terminated) or distributed.STOP["signal"] == signal.SIGTERM
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if rng_at_step is not None and rng_at_step[0] == step:
+        devices.restore_rng_states(rng_at_step[1])
     saved = save()
     if is_main:
         where = f"saved step {step} to {out_dir}" if saved is not False else f"{out_dir} keeps its last save"

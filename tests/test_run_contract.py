@@ -10,6 +10,8 @@ it joins the others: before_any_rank_work):
   step and resumed equal those of an unbroken run;
 - a signal that arrives inside optimizer.step() waits for the update and its counting (lib/rundir.whole_update):
   train.py and onefile_train.py then resume exactly, and every other loop saves as many steps as it applied updates;
+- Ctrl-C inside a step's forward, once its dropout drew, saves the random state that step began with (the step does
+  not count, and --resume redoes it): train.py and onefile_train.py then resume bit for bit;
 - --resume --overwrite is refused;
 - --overwrite with a bad flag, or with a memory request the machine cannot have, leaves the old run
   byte-identical;
@@ -31,6 +33,7 @@ from typing import Callable
 import pytest
 import torch
 from safetensors.torch import load_file
+from torch.nn.modules.module import register_module_forward_hook
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from lib import rundir
@@ -393,6 +396,71 @@ def test_sigterm_inside_the_update_saves_as_many_steps_as_updates(name, data_fla
     assert code == 143 and len(seen) == case.stop_at
     state = rundir.load_state(os.path.join(out, importlib.import_module(case.script).RUN.state_file))
     assert state["step"] == case.stop_at
+
+
+@contextlib.contextmanager
+def signal_inside_forward(updates_done, armed=False):
+    """Send SIGINT to this process from inside the forward of the step after update `updates_done`, once a dropout
+    there has drawn its mask (a global forward hook): the generators have moved on, and that step will not count.
+    Armed as signal_inside_update. Yields a dict whose "began" is the CPU random state that step began with (taken
+    at the end of update `updates_done`: nothing draws between it and the next step's forward)."""
+    seen, started, real_begin, at = [], [armed], rundir.begin, {"began": None, "sent": False}
+
+    def begin(*args, **kwargs):
+        started[0] = True
+        return real_begin(*args, **kwargs)
+
+    def after_update(optimizer, args, kwargs):
+        if started[0]:
+            seen.append(1)
+            if len(seen) == updates_done:
+                at["began"] = torch.get_rng_state()
+
+    def after_forward(module, args, output):
+        drew = isinstance(module, torch.nn.Dropout) and module.training and module.p > 0  # p = 0 draws nothing
+        if drew and at["began"] is not None and not at["sent"]:
+            at["sent"] = True
+            os.kill(os.getpid(), signal.SIGINT)
+
+    handles = [register_optimizer_step_post_hook(after_update), register_module_forward_hook(after_forward)]
+    rundir.begin = begin
+    try:
+        yield at
+    finally:
+        rundir.begin = real_begin
+        for handle in handles:
+            handle.remove()
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+
+@pytest.mark.parametrize("name", ["train", "onefile_train"])
+def test_ctrl_c_after_dropout_drew_resumes_bit_for_bit(name, unbroken, data_flags, tmp_path):
+    """Ctrl-C inside a step's forward, after its dropout masks were drawn: the step does not count, the save holds
+    the random state it began with, and --resume redraws the same masks: the weights equal the unbroken run's."""
+    case, out = CASES[name], tmp_path / "split"
+    with signal_inside_forward(case.stop_at, armed=name == "onefile_train") as at:
+        code, _ = run_script(case, out, data_flags=data_flags.get(name, ()))
+    assert code == 130 and at["sent"]
+    state = rundir.load_state(str(out / ("checkpoint/training_state.pt" if name == "onefile_train" else rundir.STATE)))
+    assert state["step"] == case.stop_at and torch.equal(state["rng_cpu"], at["began"])
+    code, log = run_script(case, out, "--resume")
+    assert code == 0, log[-3000:]
+    resumed, straight = weights_of(out, case), weights_of(unbroken(name), case)
+    assert all(torch.equal(resumed[key], straight[key]) for key in straight)
+
+
+@pytest.mark.parametrize("name", ["finetune_lora", "train_splade_unified", "train_splade_optimized", "judge_train_mps"])
+def test_ctrl_c_after_dropout_drew_saves_the_random_state_the_step_began_with(name, data_flags, tmp_path):
+    """The other loops with dropout, cheaply: the same Ctrl-C, and the saved step and random state are those the step
+    began with. finetune_qlora.py and judge_train_cuda.py run the loops of finetune_lora.py and judge_train_mps.py;
+    train_splade_optimized.py's GradCache sets the state back and forth inside its step. (train_fsdp.py's loop is
+    train.py's, per rank; train_wpo_sgm_memory_efficient.py draws from generators of its own, seeded by the step.)"""
+    case, out = CASES[name], tmp_path / "run"
+    with signal_inside_forward(case.stop_at) as at:
+        code, _ = run_script(case, out, data_flags=data_flags.get(name, ()))
+    assert code == 130 and at["sent"]
+    state = rundir.load_state(os.path.join(out, importlib.import_module(case.script).RUN.state_file))
+    assert state["step"] == case.stop_at and torch.equal(state["rng_cpu"], at["began"])
 
 
 def test_a_diverging_run_never_saves_non_finite_weights(case, data_flags, tmp_path, capsys):
