@@ -119,16 +119,23 @@ def seed_everything(seed: int):
 
 
 def rng_states() -> dict:
-    """The random states dropout draws from, as a training state saves them for an exact --resume."""
-    return {"rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    """The random states dropout draws from, as a training state saves them for an exact --resume:
+    the CPU's, every CUDA device's, and Apple's MPS generator where there is one."""
+    states = {"rng_cpu": torch.get_rng_state(),
+              "rng_cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else []}
+    if torch.backends.mps.is_available():
+        states["rng_mps"] = torch.mps.get_rng_state()
+    return states
 
 
 def restore_rng_states(state: dict):
-    """Put back what rng_states saved (the CUDA states only where CUDA is here)."""
+    """Put back what rng_states saved (each device's states only where that device is here; a save made
+    before the MPS state was kept has none, and then MPS dropout draws other masks after a resume)."""
     torch.set_rng_state(state["rng_cpu"])
     if state["rng_cuda"] and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["rng_cuda"])
+    if "rng_mps" in state and torch.backends.mps.is_available():
+        torch.mps.set_rng_state(state["rng_mps"])
 
 
 def reset_peak_memory(device: torch.device):

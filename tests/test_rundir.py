@@ -289,3 +289,20 @@ def test_commit_keeps_the_newest_and_a_second_save_of_a_step_is_newer(saved):
     assert os.path.samefile(out / "checkpoints" / "step-000005" / "model.safetensors", out / "model.safetensors")
     rundir.commit(run, argparse.Namespace(keep_last=2), 5)
     assert [os.path.basename(p) for p in rundir.committed(str(out))] == ["step-000005.2", "step-000005"]
+
+
+def test_rng_states_keep_and_restore_the_mps_generator_where_there_is_one(monkeypatch):
+    """On a Mac the dropout masks come from MPS's generator: it is saved and put back too (faked here)."""
+    from lib import device as devices
+    mps = {"state": torch.tensor([1, 2, 3], dtype=torch.uint8)}
+    monkeypatch.setattr(torch.backends.mps, "is_available", lambda: True)
+    monkeypatch.setattr(torch.mps, "get_rng_state", lambda *a: mps["state"].clone())
+    monkeypatch.setattr(torch.mps, "set_rng_state", lambda state, *a: mps.update(state=state.clone()))
+    saved = devices.rng_states()
+    mps["state"] = torch.tensor([9, 9, 9], dtype=torch.uint8)
+    devices.restore_rng_states(saved)
+    assert mps["state"].tolist() == [1, 2, 3]
+    del saved["rng_mps"]  # a save from before MPS's state was kept: the rest still restores
+    mps["state"] = torch.tensor([7], dtype=torch.uint8)
+    devices.restore_rng_states(saved)
+    assert mps["state"].tolist() == [7]
