@@ -1,7 +1,8 @@
 """Exercise 1, attention: GPT-2's causal self-attention, the forward math written out.
 
-Read first: lib/gpt.py, GPT and Block: where attention sits in a block. The reference solution is lib/gpt.py, CausalSelfAttention (it calls PyTorch's fused
-F.scaled_dot_product_attention; write the steps yourself, with plain matmuls and softmax).
+Read first: lib/gpt.py, GPT and Block: where attention sits in a block. The reference solution is
+lib/gpt.py, CausalSelfAttention (it calls PyTorch's fused F.scaled_dot_product_attention; write the steps
+yourself, with plain matmuls and softmax).
 
 Hint, for x [B, T, C] and n_head heads of width D = C / n_head:
   1. q, k, v = c_attn(x) split in three along the last dimension, each [B, T, C];
