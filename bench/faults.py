@@ -211,7 +211,7 @@ model = gpt.GPT(cfg)
 opt = optim.make_adamw(model.parameters(), 1e-4, 0.1, (0.9, 0.95), "cpu")
 for p in model.parameters():
     p.grad = torch.zeros_like(p)
-opt.step()  # AdamW's two moments now exist: the state is three times the weights
+opt.step()  # AdamW's two moments now exist: the state is twice the weights
 out = sys.argv[1]
 os.makedirs(out)
 run = rundir.Run(out, train.RUN)
