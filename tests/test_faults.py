@@ -13,8 +13,11 @@ for bit on CPU, and the same final loss.
   SIGKILL, and for train_fsdp.py crashes inside the sharded save (a DCP folder half-written);
 - --auto-resume on an empty folder, a finished run, contradicting flags; a damaged newest checkpoint
   skipped for the previous one; --keep-last.
+
+The child processes of the first three kinds run two at a time (the fixture `runs`), each test checking its own.
 """
 
+import concurrent.futures
 import glob
 import json
 import os
@@ -36,13 +39,13 @@ GPT = [*TINY, "--steps", "4", "--eval-interval", "100", "--dropout", "0.1"]
 
 def chain(script, out_flag, ref, out, plan, argv, timeout=300):
     """tests/crash_chain.py: an unbroken run into ref, then one run into out per fault of plan, then a last
-    one, all with --auto-resume. Returns its report: the exit status of every run."""
+    one, all with --auto-resume. Returns its report (the exit status of every run; None if it printed none)
+    and its output."""
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "crash_chain.py"), script, out_flag, str(ref),
                            str(out), ",".join(plan), "--", *argv], cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env={**os.environ, "OMP_NUM_THREADS": "1"})
     found = re.search(r"^CHAIN (.*)$", proc.stdout, re.M)
-    assert found, (proc.stdout + proc.stderr)[-4000:]
-    return json.loads(found.group(1)), proc.stdout + proc.stderr
+    return (json.loads(found.group(1)) if found else None), proc.stdout + proc.stderr
 
 
 def assert_same_weights(a, b, names):
@@ -64,6 +67,52 @@ def assert_one_checkpoint_and_nothing_left_over(out):
     assert not left, left
 
 
+# --- the subprocess runs, two at a time -------------------------------------------------------------------------
+# Every test below but the last two checks child processes: a crash chain (one process at a time, one thread) or
+# torchrun's group. The fixture `runs` starts the runs of every selected test, two at a time on a machine of two
+# cores, and each test checks its own. No run depends on another: each writes in its own folder, the shared token
+# cache is written under a private temporary name and renamed (lib/data.prepare), and only the judge's chain
+# builds the judge's demo base.
+def run_selected(request, jobs):
+    """jobs: {(test, parameter "name" or None): (function, args)}, the longest first. Those of the selected
+    tests run two at a time; returns {(test, name): what the function returned, or the exception it raised}."""
+    selected = {(item.originalname, item.callspec.params.get("name") if hasattr(item, "callspec") else None)
+                for item in request.session.items if item.module is request.module}
+
+    def one(fn, args):
+        try:
+            return fn(*args)
+        except Exception as e:  # noqa: BLE001 -- raised again by the test that owns the run
+            return e
+
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        futures = {key: pool.submit(one, fn, args) for key, (fn, args) in jobs.items() if key in selected}
+        return {key: future.result() for key, future in futures.items()}
+
+
+@pytest.fixture(scope="module")
+def runs(request, text_dir, tmp_path_factory):
+    def job(fn, test, name):
+        return (test, name), (fn, (name, text_dir, tmp_path_factory.mktemp(f"{fn.__name__}-{name}")))
+    other = "test_other_scripts_crash_where_their_saves_differ"
+    restarts = "test_torchrun_restarts_with_auto_resume"
+    # A torchrun group beside a one-thread chain; the short chains last.
+    return run_selected(request, dict([
+        job(torchrun_restarts, restarts, "train_fsdp"),
+        job(every_point_chain, "test_train_crash_at_every_point_of_a_save", None),
+        job(torchrun_restarts, restarts, "train"),
+        *[job(other_chain, other, name) for name in ("judge_train_mps", "train_splade_unified", "finetune_lora",
+                                                     "train_wpo_sgm_memory_efficient")]]))
+
+
+def result_of(runs, test, name=None):
+    """What the test's runs returned (their folder first); an error they raised is raised here."""
+    result = runs[test, name]
+    if isinstance(result, Exception):
+        raise result
+    return result
+
+
 # --- train.py: every point of a save ---------------------------------------------------------------------
 # The points of one save of train.py, in order (BYHAND_FAULT_LOG lists them): three atomic writes (write the
 # temporary file, rename it into place), then the commit (link the files into the staging folder, rename it:
@@ -72,15 +121,20 @@ TRAIN_POINTS = ["write model.safetensors", "rename model.safetensors", "write co
                 "write training_state.pt", "rename training_state.pt", "link step-", "commit step-", "prune step-"]
 
 
-def test_train_crash_at_every_point_of_a_save(text_dir, tmp_path):
+def every_point_chain(_, text_dir, tmp):
+    return tmp, chain("train", "--out-dir", tmp / "unbroken", tmp / "run",
+                      ["rename training_state.pt", "TERM@1", *TRAIN_POINTS],
+                      [*GPT, "--save-interval", "1", "--data", text_dir])
+
+
+def test_train_crash_at_every_point_of_a_save(runs):
     """A save every step. The first run is killed in its first save, when nothing is committed yet:
     --auto-resume then starts afresh. The next gets SIGTERM after its first update: it saves and exits 143.
     Each later run resumes and is killed at the next point of its first save, where the top of OUT already
     holds some files of the new save beside the old ones (a crash between two renames). The last run
-    finishes: its weights and final loss are those of the unbroken run."""
-    report, log = chain("train", "--out-dir", tmp_path / "unbroken", tmp_path / "run",
-                        ["rename training_state.pt", "TERM@1", *TRAIN_POINTS],
-                        [*GPT, "--save-interval", "1", "--data", text_dir])
+    finishes: its weights and final loss are those of the unbroken run (every_point_chain)."""
+    tmp_path, (report, log) = result_of(runs, "test_train_crash_at_every_point_of_a_save")
+    assert report, log[-4000:]
     assert report["unbroken"] == 0 and report["last"] == 0, log[-4000:]
     assert [code for _, code in report["faults"]] == [-9, 143] + [-9] * len(TRAIN_POINTS), (report, log[-4000:])
     assert "holds no saved run; starting a new one" in log and "terminated (SIGTERM): saved step 1" in log
@@ -107,17 +161,22 @@ OTHER = {
 # above covers them.)
 
 
-@pytest.mark.parametrize("name", sorted(OTHER))
-def test_other_scripts_crash_where_their_saves_differ(name, text_dir, tmp_path_factory):
+def other_chain(name, text_dir, tmp):
     case = CASES[name]
-    data = case.make_data(tmp_path_factory.mktemp(f"data-{name}"), text_dir) if case.make_data else []
-    tmp = tmp_path_factory.mktemp(f"faults-{name}")
-    report, log = chain(name, case.out_flag, tmp / "unbroken", tmp / "run", ["TERM@2", *OTHER[name]],
-                        [*case.args, *data])
+    os.makedirs(tmp / "data")
+    data = case.make_data(tmp / "data", text_dir) if case.make_data else []
+    return tmp, chain(name, case.out_flag, tmp / "unbroken", tmp / "run", ["TERM@2", *OTHER[name]],
+                      [*case.args, *data])
+
+
+@pytest.mark.parametrize("name", sorted(OTHER))
+def test_other_scripts_crash_where_their_saves_differ(name, runs):
+    tmp, (report, log) = result_of(runs, "test_other_scripts_crash_where_their_saves_differ", name)
+    assert report, log[-4000:]
     assert report["unbroken"] == 0 and report["last"] == 0, log[-4000:]
     assert [code for _, code in report["faults"]] == [143] + [-9] * len(OTHER[name]), (report, log[-4000:])
     assert "terminated (SIGTERM): saved step 2" in log
-    assert_same_weights(tmp / "run", tmp / "unbroken", case.weights)
+    assert_same_weights(tmp / "run", tmp / "unbroken", CASES[name].weights)
     assert_one_checkpoint_and_nothing_left_over(tmp / "run")
 
 
@@ -134,20 +193,29 @@ RESTARTS = {
 }
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("name", sorted(RESTARTS))
-def test_torchrun_restarts_with_auto_resume(name, text_dir, tmp_path):
-    """One command line, under torchrun --max-restarts: the group is started again after each fault and goes
-    on from the newest complete checkpoint; torchrun exits 0 with the weights of an unbroken 2-rank run."""
+def torchrun_restarts(name, text_dir, tmp):
+    """An unbroken 2-rank run, then the same command line under torchrun --max-restarts with the faults of
+    RESTARTS[name], with --auto-resume."""
     argv = [*GPT, "--save-interval", "1" if name == "train_fsdp" else "2", "--data", text_dir]
     plan = RESTARTS[name]
-    unbroken = torchrun([f"{name}.py", *argv, "--out-dir", str(tmp_path / "unbroken")])
+    unbroken = torchrun([f"{name}.py", *argv, "--out-dir", str(tmp / "unbroken")])
+    if unbroken.returncode:
+        return tmp, unbroken, None
+    return tmp, unbroken, torchrun([f"--max-restarts={len(plan)}", os.path.join("tests", "crash_chain.py"),
+                                    "--torchrun", name, ",".join(plan), "--", *argv, "--out-dir", str(tmp / "run"),
+                                    "--auto-resume"], timeout=400)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name", sorted(RESTARTS))
+def test_torchrun_restarts_with_auto_resume(name, runs):
+    """One command line, under torchrun --max-restarts: the group is started again after each fault and goes
+    on from the newest complete checkpoint; torchrun exits 0 with the weights of an unbroken 2-rank run."""
+    tmp_path, unbroken, proc = result_of(runs, "test_torchrun_restarts_with_auto_resume", name)
     assert unbroken.returncode == 0, unbroken.stderr[-3000:]
-    proc = torchrun([f"--max-restarts={len(plan)}", os.path.join("tests", "crash_chain.py"), "--torchrun", name,
-                     ",".join(plan), "--", *argv, "--out-dir", str(tmp_path / "run"), "--auto-resume"], timeout=400)
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert log.count("--auto-resume: continuing the run saved") == len(plan), log[-4000:]
+    assert log.count("--auto-resume: continuing the run saved") == len(RESTARTS[name]), log[-4000:]
     if name == "train":
         assert "terminated (SIGTERM): saved step 2" in log and "exitcode: 143" in log
     assert_same_weights(tmp_path / "run", tmp_path / "unbroken", ["model.safetensors"])
