@@ -320,8 +320,9 @@ def dynamic_map():
         lines.append(f"| [1e{i - 7}, 1e{i - 6}) | {counts[0]} | {counts[1]} | {errs[0]:.1%} | {errs[1]:.1%} |")
     n_neg = int((tables[True] < 0).sum())
     lines += ["", f"Each table also holds 0 and 1; the signed one's {n_neg} negative entries mirror its positive "
-              "ones. The error is the largest, relative to the value, of any value in the row's range rounded to the "
-              "nearest entry (a negative one never to 0); computed from `lib/adam8bit.create_dynamic_map`."]
+              "ones below 1 (there is no -1). The error is the largest, relative to the value, of any value in the "
+              "row's range rounded to the nearest entry (a negative one never to 0); computed from "
+              "`lib/adam8bit.create_dynamic_map`."]
     return "\n".join(lines)
 
 
