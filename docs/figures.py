@@ -691,6 +691,15 @@ def judge_estimates(seq="512"):
     return "\n".join(lines)
 
 
+def splade_cache(batch="32"):
+    """docs/memory_optimization.md: GradCache's cached vectors and their gradients, BERT-base (estimate_memory)."""
+    import train_splade_unified as unified
+    from lib import bert
+    cfg = bert.BertConfig()
+    e = unified.estimate_memory(cfg, bert.param_count(cfg), 8, 1, 32, 256, "cuda", cached_batch=int(batch))
+    return _mib(e["cached representations + grads"])
+
+
 def splade_breakdown(batch="32"):
     """docs/memory_optimization.md: where SPLADE's memory goes for BERT-base (train_splade_unified.estimate_memory)."""
     import train_splade_unified as unified
