@@ -320,8 +320,9 @@ def dynamic_map():
         lines.append(f"| [1e{i - 7}, 1e{i - 6}) | {counts[0]} | {counts[1]} | {errs[0]:.1%} | {errs[1]:.1%} |")
     n_neg = int((tables[True] < 0).sum())
     lines += ["", f"Each table also holds 0 and 1; the signed one's {n_neg} negative entries mirror its positive "
-              "ones. The error is the largest, relative to the value, of any value in the row's range rounded to the "
-              "nearest entry (a negative one never to 0); computed from `lib/adam8bit.create_dynamic_map`."]
+              "ones below 1 (there is no -1). The error is the largest, relative to the value, of any value in the "
+              "row's range rounded to the nearest entry (a negative one never to 0); computed from "
+              "`lib/adam8bit.create_dynamic_map`."]
     return "\n".join(lines)
 
 
@@ -688,6 +689,15 @@ def judge_estimates(seq="512"):
               f"gradient the head receives: `lib/memory.logits_bytes`), would be {_gib(logits)}, the largest single "
               "term: the NF4 column would read " + ", ".join(_gib(t) for *_, t in full_logits) + " with them."]
     return "\n".join(lines)
+
+
+def splade_cache(batch="32"):
+    """docs/memory_optimization.md: GradCache's cached vectors and their gradients, BERT-base (estimate_memory)."""
+    import train_splade_unified as unified
+    from lib import bert
+    cfg = bert.BertConfig()
+    e = unified.estimate_memory(cfg, bert.param_count(cfg), 8, 1, 32, 256, "cuda", cached_batch=int(batch))
+    return _mib(e["cached representations + grads"])
 
 
 def splade_breakdown(batch="32"):
