@@ -111,18 +111,21 @@ def flag_table(min_scripts="4"):
 
 def kept_names():
     """One line per script family: the original projects' flag names it keeps, and the repository's names it
-    also accepts."""
-    families = [("SPLADE (train_splade_unified.py, train_splade_optimized.py)", "train_splade_optimized"),
-                ("judge (judge_train_mps.py, judge_train_cuda.py)", "judge_train_cuda"),
-                ("WPO-SGM (train_wpo_sgm_memory_efficient.py)", "train_wpo_sgm_memory_efficient")]
+    also accepts; a pair that only one script of the family has names that script."""
+    families = [("SPLADE", ("train_splade_unified", "train_splade_optimized")),
+                ("judge", ("judge_train_mps", "judge_train_cuda")),
+                ("WPO-SGM", ("train_wpo_sgm_memory_efficient",))]
     lines = []
-    for title, name in families:
-        pairs = []
-        for action in script_parser(name)._actions:
-            longs = [o for o in action.option_strings if o.startswith("--")]
-            if len(longs) > 1 and action.help != argparse.SUPPRESS:
-                pairs.append(" = ".join(f"`{o}`" for o in longs))
-        lines.append(f"- {title}: " + "; ".join(pairs) + ".")
+    for title, names in families:
+        pairs = {}  # each pair of spellings, in the order the scripts' parsers give them, with the scripts that take it
+        for name in names:
+            for action in script_parser(name)._actions:
+                longs = [o for o in action.option_strings if o.startswith("--")]
+                if len(longs) > 1 and action.help != argparse.SUPPRESS:
+                    pairs.setdefault(" = ".join(f"`{o}`" for o in longs), []).append(name)
+        shown = [pair if len(has) == len(names) else f"{pair} ({', '.join(n + '.py' for n in has)} only)"
+                 for pair, has in pairs.items()]
+        lines.append(f"- {title} ({', '.join(n + '.py' for n in names)}): " + "; ".join(shown) + ".")
     return "\n".join(lines)
 
 
