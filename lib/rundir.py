@@ -566,6 +566,8 @@ def catch_sigterm():
     """SIGTERM (a scheduler's "stop now", sent some seconds before SIGKILL) raises Terminated, as Ctrl-C
     raises KeyboardInterrupt. Under torchrun, distributed.catch_ctrl_c then turns both into a flag the
     ranks agree on. Only the main thread may set a handler; elsewhere SIGTERM keeps its default."""
+    distributed.STOP["signal"] = None  # a new run: no signal yet (an earlier run in this process may have had one)
+
     def on_sigterm(signum, frame):
         distributed.STOP["signal"] = signum
         raise Terminated
@@ -613,6 +615,7 @@ def save_on_interrupt(save: Callable, step: int, out_dir: str, is_main: bool = T
     step began with and --resume redraws the same masks, as the unbroken run did. After a counted step the
     current states are already the next step's."""
     terminated = isinstance(sys.exc_info()[1], Terminated) or distributed.STOP["signal"] == signal.SIGTERM
+    distributed.STOP["signal"] = None  # read once: a later run in this process (a test, a notebook) starts clean
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if rng_at_step is not None and rng_at_step[0] == step:

@@ -189,6 +189,31 @@ def test_save_on_interrupt_saves_prints_and_exits_130(capsys):
     assert "interrupted: saved step 7 to OUT; continue with --resume" in capsys.readouterr().err
 
 
+def test_a_sigterm_is_forgotten_once_saved_so_a_later_ctrl_c_in_the_same_process_exits_130(capsys):
+    """A SIGTERM's save reads the stop signal once; a later run in the same process (a test, a notebook) that is
+    stopped by Ctrl-C exits 130, not 143."""
+    from lib import distributed
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        rundir.catch_sigterm()
+        with pytest.raises(SystemExit) as e:
+            try:
+                os.kill(os.getpid(), signal.SIGTERM)  # raises Terminated here, recording SIGTERM
+            except KeyboardInterrupt:
+                rundir.save_on_interrupt(lambda: None, 3, "OUT")
+        assert e.value.code == 143 and distributed.STOP["signal"] is None
+        with pytest.raises(SystemExit) as e:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt:
+                rundir.save_on_interrupt(lambda: None, 4, "OUT")
+        assert e.value.code == 130
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    assert "terminated (SIGTERM)" in capsys.readouterr().err
+
+
 def test_whole_update_holds_a_signal_until_the_block_ends_and_then_delivers_it():
     done = []
     with pytest.raises(KeyboardInterrupt):  # Ctrl-C inside: the block runs to its end, then the interrupt comes
