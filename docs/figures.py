@@ -16,6 +16,7 @@ import argparse
 import functools
 import importlib
 import os
+import re
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -78,8 +79,15 @@ def options(parser):
 
 
 def _first_sentence(text):
-    text = " ".join((text or "").split())
-    text = text.split("%(default)")[0].split(" (")[0].split("; ")[0].split(": ")[0]
+    """A help text's first clause, its parenthesised asides left out (not cut off at the first one: what
+    follows an aside, such as "or 'stdlib'" or "and exit", is part of the meaning)."""
+    text = " ".join((text or "").split()).replace("%%", "%")
+    while True:  # innermost asides first: "(default %(default)s)" holds one
+        shorter = re.sub(r" ?\([^()]*\)", "", text)
+        if shorter == text:
+            break
+        text = shorter
+    text = text.split("; ")[0].split(": ")[0]
     return text.rstrip(" .,:(")
 
 
