@@ -344,10 +344,10 @@ def test_ctrl_c_saves_and_resume_continues_exactly(case, unbroken, data_flags, t
 
 
 @contextlib.contextmanager
-def signal_inside_update(updates_done, signum, armed=False):
-    """Send signum to this process from inside optimizer.step() of update `updates_done`, once the weights hold it
-    and before the loop has counted it: a global optimizer post-hook (what scaler.step and a Python optimizer such
-    as lib/adam8bit's go through too). It is armed at rundir.begin, as the judge's tiny demo base pretrains with its
+def at_update(updates_done, action, armed=False):
+    """Call action() from inside optimizer.step() of update `updates_done`, once the weights hold it and before the
+    loop has counted it: a global optimizer post-hook (what scaler.step and a Python optimizer such as
+    lib/adam8bit's go through too). It is armed at rundir.begin, as the judge's tiny demo base pretrains with its
     own AdamW before that; onefile_train.py, which has no lib/, is armed at once. Yields the updates it saw."""
     seen, started, real_begin = [], [armed], rundir.begin
 
@@ -359,7 +359,7 @@ def signal_inside_update(updates_done, signum, armed=False):
         if started[0]:
             seen.append(1)
             if len(seen) == updates_done:
-                os.kill(os.getpid(), signum)
+                action()
 
     handle = register_optimizer_step_post_hook(after_update)
     rundir.begin = begin
@@ -369,6 +369,11 @@ def signal_inside_update(updates_done, signum, armed=False):
         rundir.begin = real_begin
         handle.remove()
         signal.signal(signal.SIGTERM, signal.SIG_DFL)  # rundir.begin's handler would stay behind in pytest
+
+
+def signal_inside_update(updates_done, signum, armed=False):
+    """Send signum to this process from inside update `updates_done` (at_update)."""
+    return at_update(updates_done, lambda: os.kill(os.getpid(), signum), armed)
 
 
 @pytest.mark.parametrize("name", ["train", "onefile_train"])
@@ -402,19 +407,9 @@ def test_sigterm_inside_the_update_saves_as_many_steps_as_updates(name, data_fla
 def signal_inside_forward(updates_done, armed=False):
     """Send SIGINT to this process from inside the forward of the step after update `updates_done`, once a dropout
     there has drawn its mask (a global forward hook): the generators have moved on, and that step will not count.
-    Armed as signal_inside_update. Yields a dict whose "began" is the CPU random state that step began with (taken
-    at the end of update `updates_done`: nothing draws between it and the next step's forward)."""
-    seen, started, real_begin, at = [], [armed], rundir.begin, {"began": None, "sent": False}
-
-    def begin(*args, **kwargs):
-        started[0] = True
-        return real_begin(*args, **kwargs)
-
-    def after_update(optimizer, args, kwargs):
-        if started[0]:
-            seen.append(1)
-            if len(seen) == updates_done:
-                at["began"] = torch.get_rng_state()
+    Armed as at_update. Yields a dict whose "began" is the CPU random state that step began with (taken at the end
+    of update `updates_done`: nothing draws between it and the next step's forward)."""
+    at = {"began": None, "sent": False}
 
     def after_forward(module, args, output):
         drew = isinstance(module, torch.nn.Dropout) and module.training and module.p > 0  # p = 0 draws nothing
@@ -422,15 +417,12 @@ def signal_inside_forward(updates_done, armed=False):
             at["sent"] = True
             os.kill(os.getpid(), signal.SIGINT)
 
-    handles = [register_optimizer_step_post_hook(after_update), register_module_forward_hook(after_forward)]
-    rundir.begin = begin
+    handle = register_module_forward_hook(after_forward)
     try:
-        yield at
+        with at_update(updates_done, lambda: at.update(began=torch.get_rng_state()), armed):
+            yield at
     finally:
-        rundir.begin = real_begin
-        for handle in handles:
-            handle.remove()
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        handle.remove()
 
 
 @pytest.mark.parametrize("name", ["train", "onefile_train"])
