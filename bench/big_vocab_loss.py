@@ -109,7 +109,7 @@ def measure(args):
     chunk = args.chunk_size or lm_loss.default_chunk_size(v, c)
     weight_grad = v * c * 4 if args.head == "trained" else 0
     return {"vocab": v, "tokens": args.tokens, "hidden": c, "head": args.head, "variant": args.variant,
-            "chunk_rows": None if args.variant == "full" else min(chunk, n),
+            "chunk_rows": None if args.variant == "full" else lm_loss.chunk_rows(n, chunk),  # evened, as the loss does
             "peak_added_mib": round(peak / 2**20, 1),
             "fwd_bwd_s": round(min(times), 3), "cpu_s": round(min(cpu), 3),
             "full_logits_fp32_mib": round(n * v * 4 / 2**20, 1), "weight_grad_mib": round(weight_grad / 2**20, 1)}
