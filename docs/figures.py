@@ -201,9 +201,9 @@ def chunk_policy():
     from lib import lm_loss
     lines = [f"`CHUNK_BYTES` = {lm_loss.CHUNK_BYTES // 2**20} MiB is a chunk's budget: as many rows as fit it with",
              "their fp32 logits (and their hidden states and gradients), but at least",
-             f"`MIN_CHUNK_ROWS` = {lm_loss.MIN_CHUNK_ROWS} rows; the tokens of a call are then split into chunks",
-             "of even size (`lm_loss.chunk_rows`), so a chunk's logits can take less than the budget, or more",
-             "where the floor applies.", "",
+             f"`MIN_CHUNK_ROWS` = {lm_loss.MIN_CHUNK_ROWS} rows; the tokens of a call are then split into as few",
+             "chunks as that allows, all of one size but a last one that may be shorter (`lm_loss.chunk_rows`), so a",
+             "chunk's logits can take less than the budget, or more where the floor applies.", "",
              "| model | vocab | hidden | rows per chunk (budget) | 1,024 tokens go in | one chunk's fp32 logits |",
              "|---|---:|---:|---:|---|---:|"]
     for name, vocab, hidden in (("GPT-2 tiny (the default)", 50257, 128), ("GPT-2 124M", 50257, 768),
