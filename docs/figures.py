@@ -577,13 +577,15 @@ def splade_table():
     from lib import bert
     cfg = bert.BertConfig()
     n = bert.param_count(cfg)
-    rows = [("`train_splade_unified.py --batch-size 32`", "32", dict(batch_size=32)),
-            ("`train_splade_unified.py --batch-size 32` (bf16 autocast)", "32", dict(batch_size=32, amp=True)),
-            ("`train_splade_optimized.py --batch-size 8 --gradient-accumulation-steps 4`", "32 (exact)",
+    # On CUDA --dtype auto autocasts (lib/device.amp_dtype): the fp32 rows say --dtype fp32.
+    rows = [("`train_splade_unified.py --batch-size 32 --dtype fp32`", "32", dict(batch_size=32)),
+            ("`train_splade_unified.py --batch-size 32` (the default `--dtype auto`: 16-bit autocast)", "32",
+             dict(batch_size=32, amp=True)),
+            ("`train_splade_optimized.py --batch-size 8 --gradient-accumulation-steps 4 --dtype fp32`", "32 (exact)",
              dict(batch_size=8, cached_batch=32)),
             ("the same `--memory-efficient`", "32 (exact)",
              dict(batch_size=8, cached_batch=32, checkpointing=True, optimizer_on_cpu=True)),
-            ("`train_splade_unified.py --batch-size 128`", "128", dict(batch_size=128)),
+            ("`train_splade_unified.py --batch-size 128 --dtype fp32`", "128", dict(batch_size=128)),
             ("`train_splade_optimized.py --batch-size 8 --gradient-accumulation-steps 16 --memory-efficient "
              "--mixed-precision`", "128 (exact)",
              dict(batch_size=8, cached_batch=128, checkpointing=True, optimizer_on_cpu=True, amp=True))]
