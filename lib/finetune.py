@@ -375,6 +375,33 @@ CHANGEABLE = ("steps", "lr", "min_lr_ratio", "warmup_steps", "grad_clip", "dtype
               "grad_checkpoint")
 
 
+def adapter_base(adapter_dir: str, init_from, log=print):
+    """The base for an --adapter: --init-from when given (with a warning when the adapter names another),
+    else the adapter's own base_model_name_or_path (the field PEFT loads) if that is a directory here,
+    else None (the default base). An adapter merged into another base of the same shape would load
+    without an error and give other weights."""
+    try:
+        named = lora.read_adapter_config(adapter_dir).get("base_model_name_or_path")
+    except ValueError:
+        return init_from  # check_adapter names the problem
+    if not isinstance(named, str) or not named:
+        return init_from
+    if init_from is None:
+        if os.path.isdir(named):
+            log(f"--adapter {adapter_dir} was made on {named} (adapter_config.json); using it as the base "
+                f"(--init-from chooses another)")
+            return named
+        if named != DEFAULT_BASE:
+            log(f"warning: --adapter {adapter_dir} was made on {named}, which is not a directory here; using "
+                f"{DEFAULT_BASE} (--init-from chooses the base)")
+        return None
+    same = (os.path.realpath(named) == os.path.realpath(init_from) if os.path.isdir(named) and os.path.isdir(init_from)
+            else named == init_from)
+    if not same:
+        log(f"warning: --adapter {adapter_dir} was made on {named}, not on --init-from {init_from}")
+    return init_from
+
+
 def resolve_run(args, run_dir, log=print):
     """What both scripts check before any work, once rundir.prepare has dealt with --out-dir (a saved run is
     never replaced without --overwrite; --resume has validated it and taken its flags): the paths; the
@@ -389,6 +416,8 @@ def resolve_run(args, run_dir, log=print):
         if not args.estimate_memory and not os.path.isdir(state["base"]):
             raise UserError(f"--resume: the base of the run in {args.out_dir}, {state['base']}, no longer exists; "
                             f"restore it or start a new run")
+    if state is None and args.adapter:
+        args.init_from = adapter_base(args.adapter, args.init_from, log)
     init_from = state["base"] if state else args.init_from
     cfg = config_for_estimate(init_from, args.cache_dir, log, known_sizes=args.estimate_memory)
     block_size = args.block_size or cfg.block_size

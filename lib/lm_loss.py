@@ -66,8 +66,9 @@ def default_chunk_size(vocab_size: int, hidden_size: int, chunk_bytes: int = CHU
 
 
 def chunk_rows(n: int, chunk_size: int) -> int:
-    """Rows per chunk for n rows and chunks of at most chunk_size, the same in every chunk: 1,024 tokens
-    with at most 664 rows are two chunks of 512, not 664 and 360: the buffer is sized for 512 rows."""
+    """Rows per chunk for n rows and chunks of at most chunk_size, as few chunks as that allows, all of this
+    size but a last one that may be shorter: 1,024 tokens with at most 664 rows are two chunks of 512, not
+    664 and 360 (the buffer is sized for 512 rows); 20 rows with at most 7 are 7, 7 and 6."""
     return -(-n // -(-n // chunk_size))
 
 

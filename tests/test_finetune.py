@@ -126,13 +126,15 @@ def test_lora_merge_equals_base_plus_adapter(lora_run, base):
     assert not torch.allclose(logits(merged), logits(base_model(base)[0]), atol=1e-3)  # the adapter did something
 
 
-def test_qlora_run_learns_and_merges_the_dequantised_base(qlora_run, base, tmp_path):
+def test_qlora_run_learns_and_merges_the_dequantised_base(qlora_run, base, tmp_path, capsys):
     out, result = qlora_run
     vals = val_losses(out)
     assert vals[-1][1] < vals[0][1] - 0.1, vals
     assert result["n_trainable"] == 2 * 4 * (64 + 3 * 64)  # r=4 on c_attn
-    merged = finetune_qlora.main([*FT, "--init-from", base, "--out-dir", str(tmp_path), "--adapter", out,
-                                  "--steps", "0", "--merge"])["merged_dir"]
+    # No --init-from: the base is the one the adapter names (adapter_config.json), not the default out/train.
+    merged = finetune_qlora.main([*FT, "--out-dir", str(tmp_path), "--adapter", out, "--steps", "0",
+                                  "--merge"])["merged_dir"]
+    assert f"--adapter {out} was made on {base} (adapter_config.json); using it as the base" in capsys.readouterr().out
     expected = finetune.load_base(base, "cpu", lambda name, linear: nf4.LinearNF4.from_linear(linear))
     lora.load_adapter(expected, out)
     torch.testing.assert_close(logits(base_model(merged)[0]), logits(expected), rtol=0, atol=1e-4)
