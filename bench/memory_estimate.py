@@ -305,8 +305,8 @@ def render(path, size="real", gpu_path=None):
               + (f"; `python bench/memory_estimate.py --sizes {size}` took {whole / 60:.1f} min, writing the "
                  f"models included." if whole else "."),
               "", caption(report["machine"]) + f" Target: measured / estimate within {report['target'][0]}-"
-              f"{report['target'][1]}." + ("" if cuda else " The CUDA column has not been measured yet (no GPU "
-                                                         "was available).")
+              f"{report['target'][1]}." + ("" if cuda or not gpu_path else " CUDA has not been measured yet (no "
+                                                                         "GPU was available).")
               if report["device"] == "cpu" else caption(report["machine"])]
     if cuda:
         lines += ["", "CUDA columns: `python bench/gpu.py`, row memory (target within 0.8-1.2). "
