@@ -229,7 +229,9 @@ def make_after_step(args, device):
 
 # --- out of memory: stop, keep the last checkpoint, say what to try -------------------------------
 def is_out_of_memory(err):
-    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and "out of memory" in str(err))
+    """A GPU's out-of-memory error, or the CPU allocator's ("DefaultCPUAllocator: can't allocate memory")."""
+    return isinstance(err, torch.OutOfMemoryError) or (isinstance(err, RuntimeError) and (
+        "out of memory" in str(err) or "can't allocate memory" in str(err)))
 
 
 def out_of_memory_advice(args, device, amp):

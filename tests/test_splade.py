@@ -553,6 +553,20 @@ def test_mixed_precision_refused_on_cpu(tmp_path, data_files, capsys):
     assert "--mixed-precision" in err and "CPU" in err
 
 
+@pytest.mark.parametrize("message", ["CUDA out of memory. Tried to allocate 2.00 GiB",
+                                     "[enforce fail at alloc_cpu.cpp:127] err == 0. DefaultCPUAllocator: can't "
+                                     "allocate memory: you tried to allocate 4611686018427387904 bytes."])
+def test_out_of_memory_is_one_line_with_what_to_try(tmp_path, data_files, capsys, monkeypatch, message):
+    def no_memory(*args):
+        raise RuntimeError(message)
+    monkeypatch.setattr(unified, "run", no_memory)
+    with pytest.raises(SystemExit) as e:
+        optimized.main(["--train-file", data_files[0], "--out-dir", str(tmp_path / "m"), *TINY])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.count("\n") == 1, err
+    assert "out of memory on cpu; no checkpoint was saved yet; try --batch-size" in err
+
+
 def test_estimate_memory_flags(capsys):
     base = ["--estimate-memory", "--batch-size", "64", "--device", "cpu"]
     plain = unified.main(base)["estimate"]
