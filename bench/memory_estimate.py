@@ -66,9 +66,10 @@ CASES = [
     ("train_wpo_sgm_memory_efficient.py", "real", "--data cifar10 --data-dir {cifar} --train_kernel_size 10 "
                                                   "--train_samples_size 10 --test_samples_size 0 --niters 2 "
                                                   "--num-samples 0 --strategy chunked --chunk_size 4"),
-    # The real sizes: 8 x 1024 GPT-2 tokens a step; QLoRA computing in fp32, as its --dtype auto did on CPU then.
-    # One step: LoRA's AdamW moments, made after the first backward, are a few MiB.
-    ("finetune_lora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0"),
+    # The real sizes: 8 x 1024 GPT-2 tokens a step, computing in fp32, as --dtype auto did on the CPU they were
+    # measured on (a CPU with native bf16 now picks bf16: the table's caption says fp32). One step: LoRA's AdamW
+    # moments, made after the first backward, are a few MiB.
+    ("finetune_lora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32"),
     ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32"),
     ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32 "
                                   "--grad-checkpoint"),
