@@ -24,6 +24,7 @@ imported, not copied. What this file adds, in reading order:
 
 import dataclasses
 import gc
+import math
 import os
 import sys
 
@@ -245,15 +246,21 @@ def out_of_memory_advice(args, device, amp):
 
 def memory_advice(args, device, amp):
     """The flags that make a step fit, cheapest first: the same result in smaller pieces, then less memory."""
-    tries = [f"--batch-size {max(1, args.batch_size // 2)} --gradient-accumulation-steps {args.grad_accum * 2} "
-             f"(the same result with GradCache)"]
+    tries = []
+    # Smaller micro-batches, the same effective batch: batch size and accumulation by its smallest factor
+    # (2 when even). A batch of 1 cannot be split so.
+    b = args.batch_size
+    factor = next((f for f in range(2, math.isqrt(b) + 1) if b % f == 0), b if b > 1 else None)
+    if factor:
+        tries.append(f"--batch-size {b // factor} --gradient-accumulation-steps {args.grad_accum * factor} "
+                     f"(the same effective batch, with GradCache)")
     if not args.memory_efficient:
         tries.append("--memory-efficient")
     if device.type != "cpu" and amp is None:  # not autocasting yet (CUDA's --dtype auto already does)
         tries.append("--mixed-precision")
     if args.max_length > 64:
         tries.append(f"--max-length {args.max_length // 2}")
-    return ", ".join(tries)
+    return ", ".join(tries) or "a smaller model, or a machine with more memory"
 
 
 # --- run: the unified training with this file's choices ---------------------------------------------

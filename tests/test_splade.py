@@ -529,6 +529,19 @@ def test_memory_advice_names_mixed_precision_only_where_it_would_change_the_dtyp
     assert "--mixed-precision" not in optimized.memory_advice(args, torch.device("cpu"), None)  # refused on CPU
 
 
+def test_memory_advice_keeps_the_effective_batch():
+    """Smaller micro-batches are offered only as the same effective batch: a batch of 1 cannot be split."""
+    def advice(*argv):
+        return optimized.memory_advice(optimized.build_parser().parse_args([*argv, "--memory-efficient"]),
+                                       torch.device("cpu"), None)
+    assert advice("--batch-size", "6").startswith("--batch-size 3 --gradient-accumulation-steps 2 ")
+    assert advice("--batch-size", "9", "--gradient-accumulation-steps", "2").startswith(
+        "--batch-size 3 --gradient-accumulation-steps 6 ")
+    assert advice("--batch-size", "7").startswith("--batch-size 1 --gradient-accumulation-steps 7 ")
+    assert "--gradient-accumulation-steps" not in advice("--batch-size", "1", "--max-length", "128")
+    assert advice("--batch-size", "1") == "a smaller model, or a machine with more memory"
+
+
 def test_val_file_needs_a_train_file(tmp_path, data_files, capsys):
     err = error_of(capsys, unified.main, ["--val-file", data_files[1], "--out-dir", str(tmp_path / "v"), *TINY])
     assert "--val-file goes with --train-file" in err
