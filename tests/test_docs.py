@@ -379,7 +379,6 @@ BY_HAND = [
     ("docs/adam8bit_explained.md", "3 GB", "1.5B parameters x 2 bytes of 8-bit state: arithmetic"),
     ("docs/adam8bit_explained.md", "12 GB", "1.5B parameters x 8 bytes of fp32 AdamW state: arithmetic"),
     ("docs/adam8bit_explained.md", "1 MiB", "the size of a chunk the code is written with (a constant)"),
-    ("docs/big_vocab_loss.md", "206 MB", "8 x 128 tokens x 50,257 x 4 bytes: the default's logits"),
     ("docs/big_vocab_loss.md", "128 KiB", "glibc's documented starting mmap threshold"),
     ("docs/big_vocab_loss.md", "32 MiB", "glibc's documented ceiling of its mmap threshold; an earlier chunk budget"),
     ("docs/big_vocab_loss.md", "4 KiB", "the page size"),
