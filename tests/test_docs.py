@@ -222,7 +222,8 @@ def anchors(path):
 
 
 def test_anchors_follow_github_slugs():
-    text = "# A: b/c.py\n## The scripts' peaks\n```\n# not a heading\n```\n## Two nodes\n## Two nodes\n<a id=\"x\"></a>\n"
+    text = ("# A: b/c.py\n## The scripts' peaks\n```\n# not a heading\n```\n## Two nodes\n## Two nodes\n"
+            "<a id=\"x\"></a>\n")
     path = os.path.join(ROOT, "docs", "_anchors_probe.md")
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
@@ -250,7 +251,8 @@ def test_references_resolve(page):
                 problems.append(f"{page}:{n}: link {target} does not resolve")
             elif "#" in target and path.endswith(".md") and target.split("#", 1)[1] not in anchors(
                     os.path.relpath(path, ROOT)):
-                problems.append(f"{page}:{n}: link {target}: no such heading or anchor in {os.path.relpath(path, ROOT)}")
+                problems.append(f"{page}:{n}: link {target}: no such heading or anchor in "
+                                f"{os.path.relpath(path, ROOT)}")
         for path, number in PATH_LINE.findall(line):
             full = os.path.join(ROOT, path)
             if not os.path.isfile(full):
