@@ -172,7 +172,7 @@ def tokenize(source, log):
     texts = {"train": [], "val": []}
     for rel in sorted(files):
         try:
-            text = pathlib.Path(root, rel).read_text(encoding="utf-8")
+            text = pathlib.Path(root, rel).read_bytes().decode("utf-8")  # as is: read_text would turn \r\n to \n
         except UnicodeDecodeError as error:  # the stdlib ships a few deliberately mis-encoded files: skipped
             if source != "stdlib":
                 raise UserError(f"{os.path.join(root, rel)} is not UTF-8 text (bad byte at offset {error.start}); "

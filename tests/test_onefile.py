@@ -18,7 +18,7 @@ import onefile_train
 from tests import conftest
 from tests.conftest import ROOT, read_metrics as records, step_losses as losses, val_losses
 import train
-from lib import checkpoint, gpt
+from lib import checkpoint, data, gpt
 
 # 6 steps of 2 micro-batches of 2 x 32 tokens; validation at steps 0, 3 and 6.
 FLAGS = ["--n-layer", "2", "--n-head", "2", "--n-embd", "64", "--block-size", "32", "--batch-size", "2",
@@ -174,3 +174,12 @@ def test_user_mistakes_exit_2_with_one_line(case, env, tmp_path, capsys):
     assert err.startswith("error: ") and err.count("\n") == 1, err
     assert {"missing data": "does not exist", "empty corpus": "is empty", "block larger than corpus": "block_size+1"}[
         case] in err
+
+
+def test_tokenises_text_as_train_py_does_line_endings_included(tmp_path):
+    # \r\n and \r are text like any other: read as they are, not translated to \n as a text-mode read would.
+    (tmp_path / "a.txt").write_bytes(b"one\r\ntwo\rthree\n" * 50)
+    ids = onefile_train.tokenize(str(tmp_path / "a.txt"), lambda *a: None)
+    prepared = data.prepare(str(tmp_path / "a.txt"), str(tmp_path / "cache"), log=lambda *a: None)
+    for split in ("train", "val"):
+        assert ids[split].tolist() == [t for shard in data.TokenSplit(prepared, split).shards for t in shard.tolist()]
