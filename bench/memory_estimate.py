@@ -67,9 +67,10 @@ CASES = [
                                                   "--train_samples_size 10 --test_samples_size 0 --niters 2 "
                                                   "--num-samples 0 --strategy chunked --chunk_size 4"),
     # The real sizes: 8 x 1024 GPT-2 tokens a step, computing in fp32, as --dtype auto did on the CPU they were
-    # measured on (a CPU with native bf16 now picks bf16: the table's caption says fp32). One step: LoRA's AdamW
-    # moments, made after the first backward, are a few MiB.
-    ("finetune_lora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32"),
+    # measured on. (LoRA's case has no --dtype, as recorded: on a CPU with native bf16, auto picks bf16, and
+    # render_finetune's caption, "fp32 compute", would need the case's flags and the caption changed together.)
+    # One step: LoRA's AdamW moments, made after the first backward, are a few MiB.
+    ("finetune_lora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0"),
     ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32"),
     ("finetune_qlora.py", "real", "--init-from {gpt2} --steps 1 --eval-batches 1 --sample-tokens 0 --dtype fp32 "
                                   "--grad-checkpoint"),
