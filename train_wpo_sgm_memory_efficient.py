@@ -447,15 +447,21 @@ def runtime_baseline(device):
 
 
 def largest_chunk(shape, plan, budget, baseline):
-    """The largest chunk size whose estimate fits the budget, or 0 (by bisection: the estimate grows with the chunk's
-    [B, c, D] tensors, bar the per-chunk combine factors, which shrink)."""
+    """The largest chunk size whose estimate fits the budget, or 0. The estimate first falls as chunks grow (the
+    combine factors, a few per chunk, shrink), then rises (the chunk's [B, c, D] tensors grow): find its lowest
+    point by ternary search, then the largest chunk above it that fits by bisection."""
     def total(c):
         chunked = Plan(plan.strategy, c, plan.accumulation_steps, plan.world_size)
         return sum(estimate_memory(shape, chunked, baseline).values())
     local = -(-shape.centres // plan.world_size)
-    if total(1) > budget:
-        return 0
     lo, hi = 1, local
+    while hi - lo > 2:  # (ceil(K / c) chunks makes small steps in the curve: the lowest point found may be near it)
+        m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
+        lo, hi = (lo, m2) if total(m1) <= total(m2) else (m1, hi)
+    lowest = min(range(lo, hi + 1), key=total)
+    if total(lowest) > budget:
+        return 0
+    lo, hi = lowest, local
     while lo < hi:  # binary search
         mid = (lo + hi + 1) // 2
         lo, hi = (mid, hi) if total(mid) <= budget else (lo, mid - 1)

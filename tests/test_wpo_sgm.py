@@ -279,6 +279,23 @@ def test_auto_picks_by_free_memory_and_ranks():
     assert (given.strategy, given.chunk_size) == ("chunked", 7) and "do not fit" not in given.reason
 
 
+def test_largest_chunk_is_found_where_one_centre_at_a_time_does_not_fit():
+    # Many centres in few dimensions: the combine factors (a few per chunk) dominate, so chunks of 1 need more
+    # memory than chunks of thousands. Auto must still find the largest chunk that fits, not give up on chunking.
+    shape = w.Shape(dim=1, centres=100000, batch=4096, train_samples=5000, depth=2, hidden=8)
+    plan = w.Plan("chunked", None)
+    total = {c: sum(w.estimate_memory(shape, w.Plan("chunked", c)).values()) for c in (1, 50000)}
+    assert total[1] > total[50000]
+    budget = (total[1] + total[50000]) / 2  # chunks of 50,000 fit, chunks of 1 do not
+    chunk = w.largest_chunk(shape, plan, budget, 0)
+    assert chunk >= 50000 and total[1] > budget
+    assert sum(w.estimate_memory(shape, w.Plan("chunked", chunk)).values()) <= budget
+    if chunk < shape.centres:
+        assert sum(w.estimate_memory(shape, w.Plan("chunked", chunk + 1)).values()) > budget
+    chosen = w.choose_plan(w.build_parser().parse_args([]), shape, 1, budget / w.FREE_FRACTION, 0)
+    assert (chosen.strategy, chosen.chunk_size) == ("chunked", chunk)
+
+
 def test_original_cifar_arithmetic():
     # The original's README: "Precision matrices: 36.00 GB" at K = 1000 on CIFAR-10 (D = 3072), fp32.
     assert 1000 * 3072 * 3072 * 4 / 1e9 == pytest.approx(37.7, abs=0.1)
