@@ -447,15 +447,17 @@ def runtime_baseline(device):
 
 
 def largest_chunk(shape, plan, budget, baseline):
-    """The largest chunk size whose estimate fits the budget, or 0. The estimate first falls as chunks grow (the
-    combine factors, a few per chunk, shrink), then rises (the chunk's [B, c, D] tensors grow): find its lowest
-    point by ternary search, then the largest chunk above it that fits by bisection."""
+    """A chunk size whose estimate fits the budget, or 0. The estimate first falls as chunks grow (the combine
+    factors, a few per chunk, shrink), then rises (the chunk's [B, c, D] tensors grow): ternary search finds a
+    point near its lowest, then bisection the largest chunk above it that fits. ceil(K / c) chunks make small
+    steps in the curve, so the result may be a few centres short of the largest, or 0 for a budget within a
+    hair of the lowest estimate."""
     def total(c):
         chunked = Plan(plan.strategy, c, plan.accumulation_steps, plan.world_size)
         return sum(estimate_memory(shape, chunked, baseline).values())
     local = -(-shape.centres // plan.world_size)
     lo, hi = 1, local
-    while hi - lo > 2:  # (ceil(K / c) chunks makes small steps in the curve: the lowest point found may be near it)
+    while hi - lo > 2:
         m1, m2 = lo + (hi - lo) // 3, hi - (hi - lo) // 3
         lo, hi = (lo, m2) if total(m1) <= total(m2) else (m1, hi)
     lowest = min(range(lo, hi + 1), key=total)
@@ -501,16 +503,17 @@ def choose_plan(args, shape, world_size, available, baseline):
                           f"all {shape.centres} centres at once do not fit within {FREE_FRACTION:.0%} of the {have}; "
                           f"{chunk} centres per chunk is the largest that does")
         return chunked
-    for steps in range(2, shape.batch + 1):  # even one centre at a time is too much for the whole batch
+    for steps in range(2, shape.batch + 1):  # no chunk size fits for the whole batch
         plan = Plan("gradient_accumulation", None, steps)
         chunk = largest_chunk(shape, plan, budget, baseline)
         if chunk:
             plan.chunk_size = chunk if chunk < shape.centres else None
-            plan.reason = (f"even one centre at a time does not fit for the whole batch ({have}); "
-                           f"{steps} micro-batches of {-(-shape.batch // steps)}, {chunk} centres per chunk")
+            per_chunk = f"{chunk} centres per chunk" if plan.chunk_size else f"all {shape.centres} centres at once"
+            plan.reason = (f"no chunk size fits for the whole batch ({have}); "
+                           f"{steps} micro-batches of {-(-shape.batch // steps)}, {per_chunk}")
             return plan
     return Plan("chunked", 1, 1, 1,
-                f"nothing fits within {FREE_FRACTION:.0%} of the {have}; the smallest plan is shown")
+                f"nothing fits within {FREE_FRACTION:.0%} of the {have}; chunks of 1 are shown")
 
 
 def print_plan(shape, plan, baseline, world, device_text, log):
