@@ -252,6 +252,17 @@ def adapter_shapes(cfg: gpt.GPTConfig, targets, r: int) -> dict:
     return shapes
 
 
+def read_adapter(adapter_dir: str, weights: bool = True):
+    """--adapter's adapter_config.json (and adapter_model.safetensors), or one line naming what is wrong."""
+    if not os.path.isdir(adapter_dir):
+        raise UserError(f"--adapter {adapter_dir}: no such directory; pass the directory that holds "
+                        f"adapter_config.json and adapter_model.safetensors")
+    try:
+        return lora.read_adapter_config(adapter_dir), lora.read_adapter_weights(adapter_dir) if weights else None
+    except ValueError as e:  # they name the file, the field or the reason
+        raise UserError(f"--adapter {adapter_dir}: {str(e).removeprefix('load_adapter: ')}") from None
+
+
 def check_adapter(adapter_dir: str, cfg: gpt.GPTConfig) -> dict:
     """--adapter, checked against the base before any work starts: adapter_config.json readable and
     sensible, adapter_model.safetensors readable (not truncated), holding exactly the A and B matrices
@@ -259,13 +270,7 @@ def check_adapter(adapter_dir: str, cfg: gpt.GPTConfig) -> dict:
     def fail(message):
         raise UserError(f"--adapter {adapter_dir}: {message}")
 
-    if not os.path.isdir(adapter_dir):
-        fail("no such directory; pass the directory that holds adapter_config.json and adapter_model.safetensors")
-    try:
-        config = lora.read_adapter_config(adapter_dir)
-        tensors = lora.read_adapter_weights(adapter_dir)
-    except ValueError as e:  # they name the file, the field or the reason
-        fail(str(e).removeprefix("load_adapter: "))
+    config, tensors = read_adapter(adapter_dir)
     if isinstance(config["target_modules"], str):
         fail(f"target_modules in {lora.CONFIG_NAME} is a regular expression; these scripts read adapters that "
              f"list module names, e.g. [\"c_attn\"]")
@@ -380,10 +385,7 @@ def adapter_base(adapter_dir: str, init_from, log=print):
     else the adapter's own base_model_name_or_path (the field PEFT loads) if that is a directory here,
     else None (the default base). An adapter merged into another base of the same shape would load
     without an error and give other weights."""
-    try:
-        named = lora.read_adapter_config(adapter_dir).get("base_model_name_or_path")
-    except ValueError:
-        return init_from  # check_adapter names the problem
+    named = read_adapter(adapter_dir, weights=False)[0].get("base_model_name_or_path")  # a bad one: its line now
     if not isinstance(named, str) or not named:
         return init_from
     if init_from is None:
@@ -395,9 +397,7 @@ def adapter_base(adapter_dir: str, init_from, log=print):
             log(f"warning: --adapter {adapter_dir} was made on {named}, which is not a directory here; using "
                 f"{DEFAULT_BASE} (--init-from chooses the base)")
         return None
-    same = (os.path.realpath(named) == os.path.realpath(init_from) if os.path.isdir(named) and os.path.isdir(init_from)
-            else named == init_from)
-    if not same:
+    if os.path.realpath(named) != os.path.realpath(init_from):  # a hub id too: the same name is the same path
         log(f"warning: --adapter {adapter_dir} was made on {named}, not on --init-from {init_from}")
     return init_from
 

@@ -168,6 +168,21 @@ def test_missing_default_checkpoint_is_one_line(script, tmp_path, monkeypatch, c
     assert "python train.py" in err and "--init-from" in err
 
 
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_a_bad_adapter_is_named_before_the_default_base_is_looked_for(damage, tmp_path, monkeypatch, capsys):
+    # No --init-from: the base comes from the adapter's config, so a bad --adapter is the one line, not "no base".
+    monkeypatch.chdir(tmp_path)  # no out/train here
+    adapter = tmp_path / "adapter"
+    if damage == "truncated":
+        adapter.mkdir()
+        (adapter / "adapter_config.json").write_text('{"base_model_name_or_path": "ba')
+    with pytest.raises(SystemExit) as exit_info:
+        finetune_lora.main(["--adapter", str(adapter), "--steps", "0"])
+    err = capsys.readouterr().err.strip()
+    assert exit_info.value.code == 2 and err.count("\n") == 0 and err.startswith(f"error: --adapter {adapter}: ")
+    assert ("no such directory" if damage == "missing" else "adapter_config.json line 1") in err, err
+
+
 def test_estimate_memory_matches_the_loaded_model(base, tmp_path):
     """The arithmetic estimate of the base and LoRA bytes equals what the loaded models hold."""
     for script, base_key in (("lora", "base weights (fp32 blocks, fp32 embeddings)"),
