@@ -44,7 +44,8 @@ def add_arguments(p: argparse.ArgumentParser, out_dir: str, dtype_help: str):
                    help="where prepared shards and hub downloads are kept")
     g = p.add_argument_group("base model")
     g.add_argument("--init-from", help=f"the frozen base: a Hugging Face GPT-2 directory or a hub id (gpt2, "
-                   f"gpt2-medium, gpt2-large, gpt2-xl, org/name); when not given, {DEFAULT_BASE}, what train.py writes")
+                   f"gpt2-medium, gpt2-large, gpt2-xl, org/name); when not given, the directory an --adapter's "
+                   f"adapter_config.json names, else {DEFAULT_BASE}, what train.py writes")
     g.add_argument("--block-size", type=guards.positive_int, help="sequence length; when not given, the base model's")
     g = p.add_argument_group("LoRA")
     g.add_argument("--lora-r", type=guards.positive_int, default=LORA_DEFAULTS["r"], help="rank of the update B @ A")
@@ -260,7 +261,12 @@ def read_adapter(adapter_dir: str, weights: bool = True):
     try:
         return lora.read_adapter_config(adapter_dir), lora.read_adapter_weights(adapter_dir) if weights else None
     except ValueError as e:  # they name the file, the field or the reason
-        raise UserError(f"--adapter {adapter_dir}: {str(e).removeprefix('load_adapter: ')}") from None
+        raise adapter_error(adapter_dir, e) from None
+
+
+def adapter_error(adapter_dir: str, e: ValueError) -> UserError:
+    """lib.lora's ValueError (it names the file, key or field) as --adapter's one line."""
+    return UserError(f"--adapter {adapter_dir}: {str(e).removeprefix('load_adapter: ')}")
 
 
 def check_adapter(adapter_dir: str, cfg: gpt.GPTConfig) -> dict:
@@ -304,7 +310,7 @@ def load_adapter(model: nn.Module, adapter_dir: str, dtype=None) -> dict:
     try:
         return lora.load_adapter(model, adapter_dir, dtype)
     except ValueError as e:
-        raise UserError(f"--adapter {adapter_dir}: {str(e).removeprefix('load_adapter: ')}") from None
+        raise adapter_error(adapter_dir, e) from None
 
 
 def flops_per_token(n_params: int, n_lora: int, n_layer: int, n_embd: int, block_size: int) -> float:
@@ -405,8 +411,9 @@ def adapter_base(adapter_dir: str, init_from, log=print):
 def resolve_run(args, run_dir, log=print):
     """What both scripts check before any work, once rundir.prepare has dealt with --out-dir (a saved run is
     never replaced without --overwrite; --resume has validated it and taken its flags): the paths; the
-    base model's config.json (a hub id's weights are not downloaded yet: the memory check comes first);
-    that nothing is written into the base; the --adapter files. The values the run really uses (an
+    --adapter's directory and adapter_config.json (its base, when --init-from is not given); the base model's
+    config.json (a hub id's weights are not downloaded yet: the memory check comes first); that nothing is
+    written into the base; the adapter's matrices against the base. The values the run really uses (an
     --adapter's own LoRA settings, or the flags'; the base) are recorded in args, so that a later --resume
     compares against them. Returns (saved training state or None, LoRA settings, the base's GPTConfig)."""
     check_paths(args)
