@@ -501,8 +501,11 @@ def choose_plan(args, shape, world_size, available, baseline):
         chunked.chunk_size = chunk
         chunked.reason = (f"--chunk_size {chunk} given ({have})" if args.chunk_size else
                           f"all {shape.centres} centres at once do not fit within {FREE_FRACTION:.0%} of the {have}; "
-                          f"{chunk} centres per chunk is the largest that does")
+                          f"{chunk} centres per chunk is about the largest that does")
         return chunked
+    fallback = Plan("chunked", 1, 1, 1, f"nothing fits within {FREE_FRACTION:.0%} of the {have}; chunks of 1 are shown")
+    if not largest_chunk(shape, Plan("gradient_accumulation", None, shape.batch), budget, baseline):
+        return fallback  # not even micro-batches of one sample fit: fewer, larger ones will not either
     for steps in range(2, shape.batch + 1):  # no chunk size fits for the whole batch
         plan = Plan("gradient_accumulation", None, steps)
         chunk = largest_chunk(shape, plan, budget, baseline)
@@ -512,8 +515,7 @@ def choose_plan(args, shape, world_size, available, baseline):
             plan.reason = (f"no chunk size fits for the whole batch ({have}); "
                            f"{steps} micro-batches of {-(-shape.batch // steps)}, {per_chunk}")
             return plan
-    return Plan("chunked", 1, 1, 1,
-                f"nothing fits within {FREE_FRACTION:.0%} of the {have}; chunks of 1 are shown")
+    return fallback
 
 
 def print_plan(shape, plan, baseline, world, device_text, log):
